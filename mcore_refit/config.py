@@ -1,0 +1,248 @@
+"""Typed configuration: frozen keyword-only dataclasses and the one loader that builds them.
+
+Every config section is a frozen ``kw_only`` dataclass that validates its own values in
+``__post_init__`` (errors name the key and the value). :func:`from_dict` builds a section (and its
+nested sections) from plain data and rejects unknown keys by their dotted path;
+:func:`load_config` reads YAML and applies ``key.sub=value`` overrides. Recipes compose sections
+into their own top-level dataclass and call :func:`load_config`; nothing else parses YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+DTYPES = ("float32", "bfloat16", "float16")
+Dtype = Literal["float32", "bfloat16", "float16"]
+LayerSpec = Literal["auto", "te", "local"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Model-parallel layout. Data parallelism is what remains of the world size."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    # Model chunks per pipeline rank (interleaved schedule); None means not interleaved.
+    virtual_pipeline: int | None = None
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _require_positive("parallel.tensor", self.tensor)
+        _require_positive("parallel.pipeline", self.pipeline)
+        if self.virtual_pipeline is not None:
+            _require_positive("parallel.virtual_pipeline", self.virtual_pipeline)
+            if self.pipeline == 1:
+                raise ValueError(
+                    f"parallel.virtual_pipeline={self.virtual_pipeline} needs "
+                    "parallel.pipeline > 1; "
+                    "set parallel.virtual_pipeline: null or raise parallel.pipeline"
+                )
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError(
+                "parallel.sequence_parallel=true needs parallel.tensor > 1; "
+                "set parallel.sequence_parallel: false"
+            )
+
+    @property
+    def num_model_chunks(self) -> int:
+        """Model chunks held by each rank (the virtual pipeline size, or 1)."""
+        return self.virtual_pipeline if self.virtual_pipeline is not None else 1
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` ranks; raises if the layout does not fit."""
+        if world_size % self.model_parallel_size != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tensor × "
+                f"parallel.pipeline = {self.tensor} × {self.pipeline}; launch a multiple of "
+                f"{self.model_parallel_size} ranks or change the layout"
+            )
+        return world_size // self.model_parallel_size
+
+    def validate_for_model(self, *, world_size: int, num_layers: int, num_attention_heads: int,
+                           num_query_groups: int) -> None:
+        """Reject layouts the model cannot be split into, before any model is built."""
+        self.data_parallel_size(world_size)
+        num_stages = self.pipeline * self.num_model_chunks
+        if num_layers % num_stages != 0:
+            if self.virtual_pipeline is None:
+                split = f"parallel.pipeline = {num_stages} stages"
+            else:
+                split = (f"parallel.pipeline × parallel.virtual_pipeline = {self.pipeline} × "
+                         f"{self.virtual_pipeline} = {num_stages} stages")
+            raise ValueError(
+                f"the model's {num_layers} layers do not divide into {split}; "
+                f"choose sizes whose product divides {num_layers}"
+            )
+        if num_attention_heads % self.tensor != 0 or num_query_groups % self.tensor != 0:
+            raise ValueError(
+                f"parallel.tensor={self.tensor} must divide the model's {num_attention_heads} "
+                f"attention heads and {num_query_groups} key/value heads"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to build and how."""
+
+    # Directory of a Hugging Face checkpoint (config.json + safetensors).
+    hf_path: str
+    # Parameter dtype of the Megatron model (fp32 master weights are the optimizer's business).
+    dtype: Dtype = "float32"
+    # Transformer layer spec: "te" requires transformer-engine, "auto" uses it when it imports.
+    layer_spec: LayerSpec = "auto"
+    # False builds the architecture with random weights instead of loading the checkpoint's.
+    load_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.hf_path:
+            raise ValueError("model.hf_path must name a Hugging Face checkpoint directory")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def from_dict[T](cls: type[T], data: Any, *, path: str = "") -> T:
+    """Build the dataclass ``cls`` from plain data, recursing into nested dataclass fields.
+
+    Raises ``ValueError`` naming the dotted key for unknown keys, missing required keys and values
+    of the wrong type.
+    """
+    where = path if path else "the config"
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = _join(path, str(unknown[0]))
+        raise ValueError(f"unknown config key '{key}' (known keys: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, field in fields.items():
+        key = _join(path, name)
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ValueError(f"missing required config key '{key}'")
+    return cls(**kwargs)
+
+
+def load_config[T](cls: type[T], path: str | Path | None = None,
+                overrides: typing.Sequence[str] = ()) -> T:
+    """Read YAML from ``path`` (or start from ``cls``'s defaults), apply overrides, build ``cls``.
+
+    Overrides are ``dotted.key=value`` strings; the value is parsed as YAML (``3``, ``true``,
+    ``null``, ``[1, 2]``).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the top level of a config file must be a mapping")
+        data = loaded if loaded is not None else {}
+    for override in overrides:
+        _apply_override(data, override)
+    return from_dict(cls, data)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain-data form of a config (for logs and result files)."""
+    return dataclasses.asdict(config)
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {override!r} must look like key.sub=value")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {override!r}: '{part}' is not a config section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ValueError(f"config key '{key}' must not be null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, key)
+            except ValueError as error:
+                errors.append(str(error))
+        raise ValueError(errors[0] if len(errors) == 1 else
+                         f"config key '{key}' has invalid value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ValueError(
+                f"config key '{key}' must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+            )
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key '{key}' must be a list, got {value!r}")
+        (item_hint, *_) = typing.get_args(hint) or (Any,)
+        items = [_convert(item_hint, item, f"{key}[{i}]") for i, item in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, path=key)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key '{key}' must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config key '{key}' must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key '{key}' must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"config key '{key}' must be a string, got {value!r}")
+        return value
+    raise TypeError(f"config key '{key}': unsupported annotation {hint!r}")
+
+
+def _require_positive(key: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config key '{key}' must be a positive integer, got {value!r}")

@@ -1,0 +1,293 @@
+"""Megatron model chunks built from a Hugging Face checkpoint through Megatron-Bridge.
+
+With virtual pipeline parallelism a rank holds several model chunks (one per virtual stage).
+:class:`ModelChunks` owns that list and is what the rest of the library passes around; nothing
+reaches for ``chunks[0]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_refit import compat
+from mcore_refit.config import ModelConfig, ParallelConfig
+
+# TE-only fusions; without transformer-engine each must be off before provider.finalize(), or
+# Megatron raises e.g. "apply_rope_fusion is not available. Please install TE".
+_TE_ONLY_FUSIONS = (
+    "apply_rope_fusion",
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+    "gradient_accumulation_fusion",
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few architecture facts needed to validate a layout before building anything."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    architecture: str
+    pad_token_id: int | None
+
+
+def read_model_shape(hf_path: str) -> ModelShape:
+    """Read the architecture facts from ``hf_path/config.json`` (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(hf_path)
+    except OSError as error:
+        raise ValueError(
+            f"model.hf_path={hf_path!r} is not a Hugging Face checkpoint: {error}"
+        ) from error
+    architectures = getattr(config, "architectures", None) or ["<unset>"]
+    return ModelShape(
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        architecture=architectures[0],
+        pad_token_id=getattr(config, "pad_token_id", None),
+    )
+
+
+def resolve_layer_spec(requested: str) -> str:
+    """``auto`` becomes ``te`` when transformer-engine imports, ``local`` otherwise."""
+    te = compat.te_available()
+    if requested == "te" and not te:
+        raise ValueError("model.layer_spec='te' needs transformer-engine, which does not import")
+    if requested == "auto":
+        return "te" if te else "local"
+    return requested
+
+
+@dataclass(eq=False)
+class ModelChunks:
+    """The model chunks this rank holds (one per virtual pipeline stage) and their bridge.
+
+    ``chunks`` may be wrapped (Megatron DDP, Float16Module); :meth:`unwrapped` gives the
+    underlying ``GPTModel`` objects in the same order.
+    """
+
+    chunks: list[torch.nn.Module]
+    bridge: Any  # megatron.bridge.AutoBridge
+    model_config: ModelConfig
+    parallel: ParallelConfig
+    shape: ModelShape
+    layer_spec: str
+    _conversion_tasks: list | None = field(default=None, repr=False)
+    _task_param_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __iter__(self) -> Iterator[torch.nn.Module]:
+        return iter(self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def unwrapped(self) -> list[torch.nn.Module]:
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.chunks)
+
+    @property
+    def transformer_config(self):
+        """The Megatron ``TransformerConfig`` shared by all chunks."""
+        from megatron.core.utils import get_model_config
+
+        return get_model_config(self.chunks[0])
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Parameters of every chunk, chunk by chunk."""
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def train(self) -> None:
+        for chunk in self.chunks:
+            chunk.train()
+
+    def eval(self) -> None:
+        for chunk in self.chunks:
+            chunk.eval()
+
+    def conversion_tasks(self) -> list:
+        """Bridge conversion tasks (Megatron → HF), built once and reused.
+
+        The tasks hold references to the ``Parameter`` objects, so in-place updates (optimizer
+        steps, ``.data`` moves for offload, ``load_state_dict``) are exported as they are. If any
+        rank replaced a parameter object since the tasks were built, every rank rebuilds them
+        rather than exporting stale tensors. Collective over the model-parallel group (building
+        tasks gathers parameter names across pipeline stages): call on every rank.
+        """
+        param_ids = tuple(id(p) for p in self.parameters())
+        stale = self._conversion_tasks is None or param_ids != self._task_param_ids
+        if _any_rank(stale, device=next(self.parameters()).device):
+            model_bridge = self.bridge._model_bridge
+            # AutoBridge.get_conversion_tasks insists on checkpoint weights; the model bridge's
+            # builder also accepts the bare HF config (hf_pretrained is a PretrainedConfig when the
+            # bridge was made with from_hf_config), which is what random-weight models have.
+            self._conversion_tasks = model_bridge.build_conversion_tasks(
+                self.bridge.hf_pretrained, self.unwrapped()
+            )
+            self._task_param_ids = param_ids
+        return self._conversion_tasks
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(hf_name, full_tensor)`` pairs (tensors stay on the model's device).
+
+        Collective: every rank of the model-parallel groups must iterate it to the end, in
+        lockstep, or ranks deadlock. Every rank receives every full tensor.
+        """
+        # merge_adapter_weights=False: mcore_refit builds no LoRA adapters, and the adapter merge
+        # would run an all_gather_object over the pipeline group on every export.
+        yield from self.bridge.export_hf_weights(
+            self.chunks, cpu=False, show_progress=False, conversion_tasks=self.conversion_tasks(),
+            merge_adapter_weights=False,
+        )
+
+
+def build_model(model_config: ModelConfig, parallel: ParallelConfig, *,
+                device: torch.device, wrap_with_ddp: bool = False, ddp_config: Any = None,
+                provider_overrides: dict[str, Any] | None = None) -> ModelChunks:
+    """Build this rank's model chunks for ``parallel`` from ``model_config.hf_path``.
+
+    Call on every rank after :func:`mcore_refit.distributed.init_model_parallel` with the same
+    ``parallel``. The layout is validated against the checkpoint's architecture first.
+    ``provider_overrides`` sets further ``GPTModelProvider`` fields (e.g. ``seq_length``).
+    """
+    compat.install()
+    import torch.distributed as dist
+    from megatron.bridge import AutoBridge
+    from megatron.core import parallel_state
+
+    shape = read_model_shape(model_config.hf_path)
+    parallel.validate_for_model(
+        world_size=dist.get_world_size(),
+        num_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+    )
+    _check_model_parallel_state(parallel, parallel_state)
+    layer_spec = resolve_layer_spec(model_config.layer_spec)
+
+    if model_config.load_weights:
+        bridge = AutoBridge.from_hf_pretrained(model_config.hf_path)
+    else:
+        from transformers import AutoConfig
+
+        bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(model_config.hf_path))
+    provider = bridge.to_megatron_provider(load_weights=model_config.load_weights)
+    _configure_provider(provider, model_config, parallel, layer_spec, device)
+    for key, value in (provider_overrides or {}).items():
+        if not hasattr(provider, key):
+            raise ValueError(f"provider override '{key}' is not a GPTModelProvider field")
+        setattr(provider, key, value)
+    provider.finalize()
+    _check_pipeline_comm(provider, parallel)
+
+    chunks = provider.provide_distributed_model(
+        wrap_with_ddp=wrap_with_ddp,
+        ddp_config=ddp_config,
+        use_cpu_initialization=device.type == "cpu",
+        bf16=model_config.dtype == "bfloat16",
+        fp16=model_config.dtype == "float16",
+    )
+    assert len(chunks) == parallel.num_model_chunks, (len(chunks), parallel)
+    return ModelChunks(chunks=list(chunks), bridge=bridge, model_config=model_config,
+                       parallel=parallel, shape=shape, layer_spec=layer_spec)
+
+
+def _check_model_parallel_state(parallel: ParallelConfig, parallel_state) -> None:
+    if not parallel_state.is_initialized():
+        raise RuntimeError("call mcore_refit.distributed.init_model_parallel before build_model")
+    actual = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+    )
+    expected = (parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
+    if actual != expected:
+        raise ValueError(
+            f"Megatron's model-parallel state (tp, pp, vpp) = {actual} does not match the "
+            f"requested layout {expected}"
+        )
+
+
+def _configure_provider(provider, model_config: ModelConfig, parallel: ParallelConfig,
+                        layer_spec: str, device: torch.device) -> None:
+    from megatron.bridge.models.gpt_provider import local_layer_spec, transformer_engine_layer_spec
+
+    provider.tensor_model_parallel_size = parallel.tensor
+    provider.pipeline_model_parallel_size = parallel.pipeline
+    provider.virtual_pipeline_model_parallel_size = parallel.virtual_pipeline
+    provider.sequence_parallel = parallel.sequence_parallel
+    dtype = model_config.torch_dtype
+    provider.params_dtype = dtype
+    provider.pipeline_dtype = dtype
+    provider.bf16 = model_config.dtype == "bfloat16"
+    provider.fp16 = model_config.dtype == "float16"
+    if layer_spec == "te":
+        provider.transformer_layer_spec = transformer_engine_layer_spec
+    else:
+        provider.transformer_layer_spec = local_layer_spec
+        for fusion in _TE_ONLY_FUSIONS:
+            setattr(provider, fusion, False)
+    if device.type == "cpu":
+        # p2p_communication.py:419 calls torch.cuda.synchronize() after batched p2p when set.
+        provider.batch_p2p_sync = False
+    # With interleaving at PP=2 the previous and next stage are the same peer, and Megatron's
+    # batched p2p (batch_p2p_comm=True) then pairs sends and receives wrongly: losses and gradients
+    # are silently wrong (seen with gloo and NCCL). Separate, overlapped p2p ops are exact.
+    if parallel.virtual_pipeline is not None:
+        provider.overlap_p2p_comm = True
+        provider.batch_p2p_comm = False
+
+
+def _check_pipeline_comm(provider, parallel: ParallelConfig) -> None:
+    if parallel.virtual_pipeline is None:
+        return
+    if provider.batch_p2p_comm or not provider.overlap_p2p_comm:
+        raise ValueError(
+            "virtual pipeline parallelism requires overlap_p2p_comm=True and batch_p2p_comm=False "
+            f"(got overlap_p2p_comm={provider.overlap_p2p_comm}, "
+            f"batch_p2p_comm={provider.batch_p2p_comm}); batched p2p gives wrong gradients when "
+            "the previous and next pipeline stage are the same rank"
+        )
+
+
+def _any_rank(flag: bool, *, device: torch.device) -> bool:
+    """True on every rank of the model-parallel group if ``flag`` is true on any of them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
+    return bool(value.item())
+
+
+def hf_reference_state(hf_path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint's safetensors files, by HF name, on the CPU."""
+    import glob
+    import os
+
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {hf_path!r}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path))
+    return state

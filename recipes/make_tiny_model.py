@@ -1,0 +1,33 @@
+"""Write a tiny random-weight Hugging Face checkpoint (with tokenizer) for demos and smoke runs.
+
+    python recipes/make_tiny_model.py OUT_DIR [--arch llama|qwen2] [--layers 8] [--tie] [--dtype D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    spec = TinyModelSpec(architecture=args.arch, num_layers=args.layers,
+                         hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                         tie_word_embeddings=args.tie, dtype=args.dtype, seed=args.seed)
+    path = write_tiny_checkpoint(args.out_dir, spec)
+    print(f"wrote {spec.architecture} tiny checkpoint ({spec.num_layers} layers) to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""torchrun --nproc-per-node 2 export_parity.py --workdir DIR --out RESULTS.json
+
+Runs the export verifier over several layouts and architectures in one process group, plus two
+negative checks (a corrupted weight is caught; a replaced Parameter is exported fresh). Rank 0
+writes {scenario: result} to --out.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mcore_refit import distributed
+from mcore_refit.config import ModelConfig, ParallelConfig
+from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+
+CHECKPOINTS = {
+    "llama8": TinyModelSpec(architecture="llama", num_layers=8),
+    "llama8_tied": TinyModelSpec(architecture="llama", num_layers=8, tie_word_embeddings=True),
+    "qwen2": TinyModelSpec(architecture="qwen2", num_layers=4),
+    "qwen2_tied": TinyModelSpec(architecture="qwen2", num_layers=4, tie_word_embeddings=True),
+}
+
+LAYOUTS = {
+    "llama8_tp2": ("llama8", ParallelConfig(tensor=2), "float32"),
+    "llama8_pp2": ("llama8", ParallelConfig(pipeline=2), "float32"),
+    "llama8_pp2_vpp2": ("llama8", ParallelConfig(pipeline=2, virtual_pipeline=2), "float32"),
+    "llama8_pp2_vpp4": ("llama8", ParallelConfig(pipeline=2, virtual_pipeline=4), "float32"),
+    "llama8_tied_pp2_vpp2": ("llama8_tied", ParallelConfig(pipeline=2, virtual_pipeline=2),
+                             "float32"),
+    "qwen2_pp2_vpp2": ("qwen2", ParallelConfig(pipeline=2, virtual_pipeline=2), "float32"),
+    "qwen2_tied_tp2": ("qwen2_tied", ParallelConfig(tensor=2), "float32"),
+    "llama8_pp2_vpp2_bf16": ("llama8", ParallelConfig(pipeline=2, virtual_pipeline=2),
+                             "bfloat16"),
+}
+
+
+def corrupted_weight_is_caught(path, device):
+    """Perturb the final norm on the last stage: the comparison must name exactly that tensor."""
+    from megatron.core import parallel_state
+
+    from mcore_refit.model import build_model, hf_reference_state
+    from mcore_refit.verify import compare_export
+
+    parallel = ParallelConfig(pipeline=2, virtual_pipeline=2)
+    distributed.init_model_parallel(parallel, seed=0)
+    try:
+        model = build_model(ModelConfig(hf_path=str(path)), parallel, device=device)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            with torch.no_grad():
+                model.unwrapped()[-1].decoder.final_layernorm.weight.add_(1e-3)
+        _, mismatched, missing, unexpected = compare_export(model, hf_reference_state(str(path)))
+        return {"mismatched": mismatched, "missing": missing, "unexpected": unexpected}
+    finally:
+        distributed.destroy_model_parallel()
+
+
+def export_reads_current_parameters(path, device):
+    """In-place updates and replaced Parameter objects both reach the export and the source."""
+    from megatron.core import parallel_state
+
+    from mcore_refit.model import build_model
+    from mcore_refit.refit.source import BridgeWeightSource
+
+    parallel = ParallelConfig(pipeline=2, virtual_pipeline=2)
+    distributed.init_model_parallel(parallel, seed=0)
+    try:
+        model = build_model(ModelConfig(hf_path=str(path)), parallel, device=device)
+        last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        norm_owner = model.unwrapped()[-1].decoder
+        first_tasks = model.conversion_tasks()
+        if last_stage:
+            with torch.no_grad():
+                norm_owner.final_layernorm.weight.fill_(3.0)
+        in_place = dict(model.export_hf_weights())["model.norm.weight"].unique().tolist()
+        reused = model.conversion_tasks() is first_tasks
+        if last_stage:
+            weight = norm_owner.final_layernorm.weight
+            norm_owner.final_layernorm.weight = torch.nn.Parameter(torch.full_like(weight, 5.0))
+        replaced = dict(model.export_hf_weights())["model.norm.weight"].unique().tolist()
+        rebuilt = model.conversion_tasks() is not first_tasks
+        source = BridgeWeightSource(model)
+        specs = source.weight_specs()
+        weights = list(source.iter_weights())
+        specs_match = [(s.name, s.shape, s.dtype) for s in specs] == [
+            (name, tuple(t.shape), t.dtype) for name, t in weights]
+        return {"in_place": in_place, "tasks_reused": reused, "replaced": replaced,
+                "tasks_rebuilt": rebuilt, "source_specs_match": specs_match,
+                "source_norm": dict(weights)["model.norm.weight"].unique().tolist()}
+    finally:
+        distributed.destroy_model_parallel()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    context = distributed.init_distributed(rank=int(os.environ["RANK"]),
+                                           world_size=int(os.environ["WORLD_SIZE"]),
+                                           local_rank=int(os.environ["LOCAL_RANK"]))
+    from mcore_refit.verify import verify_layout
+
+    workdir = Path(args.workdir)
+    if context.rank == 0:
+        for name, spec in CHECKPOINTS.items():
+            write_tiny_checkpoint(workdir / name, spec)
+    dist.barrier()
+    results = {}
+    try:
+        for scenario, (checkpoint, parallel, dtype) in LAYOUTS.items():
+            if args.only is not None and scenario not in args.only:
+                continue
+            model_config = ModelConfig(hf_path=str(workdir / checkpoint), dtype=dtype)
+            report = verify_layout(model_config, parallel, device=context.device, seed=1234)
+            results[scenario] = {**report.as_dict(), "passed": report.passed}
+        results["corrupted"] = corrupted_weight_is_caught(workdir / "llama8", context.device)
+        results["fresh"] = export_reads_current_parameters(workdir / "llama8", context.device)
+    finally:
+        distributed.shutdown()
+    if context.rank == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Export and gradient parity with Hugging Face across layouts (2 ranks, gloo, one torchrun)."""
+
+import json
+import re
+
+import pytest
+
+from tests.launch import REPO_ROOT, last_json_line, run_torchrun
+
+SCENARIOS = REPO_ROOT / "tests" / "dist" / "scenarios" / "export_parity.py"
+
+EXPECTED_TENSORS = {
+    "llama8_tp2": 75,
+    "llama8_pp2": 75,
+    "llama8_pp2_vpp2": 75,
+    "llama8_pp2_vpp4": 75,
+    "llama8_tied_pp2_vpp2": 74,  # no lm_head.weight
+    "qwen2_pp2_vpp2": 51,  # 4 layers x 12 (q/k/v biases) + embed, norm, lm_head
+    "qwen2_tied_tp2": 50,
+    "llama8_pp2_vpp2_bf16": 75,
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("export_parity")
+    out = workdir / "results.json"
+    run_torchrun(SCENARIOS, "--workdir", str(workdir), "--out", str(out), nproc=2,
+                 timeout_s=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("scenario", sorted(EXPECTED_TENSORS))
+def test_layout_exports_exactly_with_gradient_parity(results, scenario):
+    report = results[scenario]
+    assert report["tensors"] == EXPECTED_TENSORS[scenario]
+    assert report["mismatched"] == []
+    assert report["missing"] == []
+    assert report["unexpected"] == []
+    if report["dtype"] == "float32":
+        assert report["loss_max_abs_diff"] <= 1e-5
+        assert report["grad_max_abs_diff"] <= 1e-5
+    else:
+        assert report["loss_max_abs_diff"] <= 1e-2
+        assert report["grad_max_abs_diff"] <= 1e-2
+    assert report["passed"] is True
+
+
+@pytest.mark.timeout(900)
+def test_corrupted_weight_is_named(results):
+    assert results["corrupted"] == {"mismatched": ["model.norm.weight"], "missing": [],
+                                    "unexpected": []}
+
+
+@pytest.mark.timeout(900)
+def test_export_reads_current_parameters(results):
+    assert results["fresh"] == {"in_place": [3.0], "tasks_reused": True, "replaced": [5.0],
+                                "tasks_rebuilt": True, "source_specs_match": True,
+                                "source_norm": [5.0]}
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama",
+                                 TinyModelSpec(num_layers=8))
+
+
+@pytest.mark.timeout(300)
+def test_verifier_recipe_prints_json_and_exits_zero(tiny_checkpoint):
+    result = run_torchrun(REPO_ROOT / "recipes" / "verify_export.py", "--hf-path",
+                          str(tiny_checkpoint), "--pp", "2", "--vpp", "2", nproc=2,
+                          timeout_s=300)
+    report = last_json_line(result.stdout)
+    assert {key: report[key] for key in ("tensors", "mismatched", "missing", "unexpected", "tp",
+                                         "pp", "vpp", "device")} == {
+        "tensors": 75, "mismatched": [], "missing": [], "unexpected": [], "tp": 1, "pp": 2,
+        "vpp": 2, "device": "cpu"}
+    assert report["loss_max_abs_diff"] <= 1e-5 and report["grad_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_verifier_recipe_rejects_bad_layout(tiny_checkpoint):
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(REPO_ROOT / "recipes" / "verify_export.py", "--hf-path",
+                     str(tiny_checkpoint), "--pp", "2", "--vpp", "3", nproc=2, timeout_s=300)
+    assert re.search(
+        r"ValueError: the model's 8 layers do not divide into parallel.pipeline × "
+        r"parallel.virtual_pipeline = 2 × 3 = 6 stages; choose sizes whose product divides 8",
+        str(failure.value))

@@ -1,0 +1,85 @@
+"""The compatibility layer, exercised in fresh interpreters (its patches are process-wide)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="the CPU patches are inactive on CUDA machines")
+
+PROBE = r"""
+import json, sys
+import torch
+from mcore_refit import compat
+compat.install()
+compat.install()  # idempotent
+import megatron.bridge  # must import without transformer-engine
+from megatron.bridge.peft import lora_layers
+from megatron.core.transformer.utils import get_default_causal_mask
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+result = {
+    "te_in_sys_modules": any(name.split(".")[0] == "transformer_engine" for name in sys.modules),
+    "patches": list(compat.installed_patches()),
+    "literal_cuda_device": str(torch.zeros(2, device="cuda").device),
+    "tensor_cuda": str(torch.ones(1).cuda().device),
+    "current_device": str(torch.cuda.current_device()),
+    "type_query": torch.ones(1).type(),
+    "type_cast": str(torch.ones(1).type(torch.float64).dtype),
+    "causal_mask": get_default_causal_mask(3).tolist(),
+    "te_stub_fails": None,
+}
+with get_cuda_rng_tracker().fork():
+    torch.nn.functional.dropout(torch.ones(4), 0.5)
+try:
+    lora_layers.te.Linear(1, 1)
+except RuntimeError as error:
+    result["te_stub_fails"] = str(error)
+print(json.dumps(result))
+"""
+
+
+def run_probe(code):
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_bridge_imports_and_cpu_patches_apply():
+    result = run_probe(PROBE)
+    assert result["te_in_sys_modules"] is False
+    assert result["patches"] == [
+        "bridge: lora_layers without transformer_engine",
+        "torch.cuda.current_device -> cpu",
+        "get_default_causal_mask -> cpu",
+        "cuda rng tracker -> no-op inference tracker",
+        "Tensor.type() -> torch.cuda.* spelling",
+        "torch.cuda.synchronize -> no-op",
+        "torch.cuda.Stream/stream/current_stream -> host no-ops",
+        "device='cuda' literals and Tensor.cuda() -> cpu",
+    ]
+    assert result["literal_cuda_device"] == "cpu"
+    assert result["tensor_cuda"] == "cpu"
+    assert result["current_device"] == "cpu"
+    assert result["type_query"] == "torch.cuda.FloatTensor"
+    assert result["type_cast"] == "torch.float64"
+    assert result["causal_mask"] == [[False, True, True], [False, False, True],
+                                     [False, False, False]]
+    assert result["te_stub_fails"] == (
+        "Linear needs transformer-engine, which is not installed; "
+        "use the local layer spec (model.layer_spec: local)")
+
+
+def test_install_after_bridge_import_is_an_error():
+    code = ("from mcore_refit import compat\n"
+            "import sys, types\n"
+            "sys.modules['megatron.bridge.peft.lora_layers'] = types.ModuleType('x')\n"
+            "try:\n    compat.install()\nexcept RuntimeError as e:\n"
+            "    import json; print(json.dumps({'error': str(e)}))\n")
+    assert run_probe(code)["error"] == (
+        "megatron.bridge.peft.lora_layers was imported before mcore_refit.compat.install(); "
+        "import mcore_refit before megatron.bridge")

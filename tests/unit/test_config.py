@@ -1,0 +1,101 @@
+"""Config loading and layout validation: every bad input gets an error that names it."""
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+import pytest
+
+from mcore_refit.config import ModelConfig, ParallelConfig, from_dict, load_config
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 0
+    learning_rates: list[float] = field(default_factory=list)
+
+
+def test_load_yaml_with_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  hf_path: /ckpt\n  dtype: bfloat16\nparallel:\n  pipeline: 2\n")
+    config = load_config(JobConfig, path, ["parallel.virtual_pipeline=2", "seed=7",
+                                           "learning_rates=[1, 0.5]"])
+    assert config.model == ModelConfig(hf_path="/ckpt", dtype="bfloat16")
+    assert config.parallel == ParallelConfig(pipeline=2, virtual_pipeline=2)
+    assert config.seed == 7
+    assert config.learning_rates == [1.0, 0.5]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 1
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"model": {"hf_path": "/c"}, "parallell": {}},
+     "unknown config key 'parallell' (known keys: learning_rates, model, parallel, seed)"),
+    ({"model": {"hf_path": "/c", "dtyp": "float32"}},
+     "unknown config key 'model.dtyp' (known keys: dtype, hf_path, layer_spec, load_weights)"),
+    ({}, "missing required config key 'model'"),
+    ({"model": {}}, "missing required config key 'model.hf_path'"),
+    ({"model": {"hf_path": "/c", "dtype": "fp8"}},
+     "config key 'model.dtype' must be one of 'float32', 'bfloat16', 'float16', got 'fp8'"),
+    ({"model": {"hf_path": "/c"}, "parallel": {"tensor": "2"}},
+     "config key 'parallel.tensor' must be an integer, got '2'"),
+    ({"model": {"hf_path": "/c"}, "parallel": {"tensor": True}},
+     "config key 'parallel.tensor' must be an integer, got True"),
+    ({"model": {"hf_path": "/c"}, "parallel": {"pipeline": 0}},
+     "config key 'parallel.pipeline' must be a positive integer, got 0"),
+    ({"model": {"hf_path": "/c"}, "parallel": {"virtual_pipeline": 2}},
+     "parallel.virtual_pipeline=2 needs parallel.pipeline > 1; "
+     "set parallel.virtual_pipeline: null or raise parallel.pipeline"),
+    ({"model": {"hf_path": "/c"}, "parallel": {"sequence_parallel": True}},
+     "parallel.sequence_parallel=true needs parallel.tensor > 1; "
+     "set parallel.sequence_parallel: false"),
+    ({"model": {"hf_path": "/c", "load_weights": "yes"}},
+     "config key 'model.load_weights' must be true or false, got 'yes'"),
+    ({"model": {"hf_path": "/c"}, "seed": None}, "config key 'seed' must be an integer, got None"),
+    ({"model": {"hf_path": "/c"}, "learning_rates": ["a"]},
+     "config key 'learning_rates[0]' must be a number, got 'a'"),
+    ({"model": "/c"}, "model must be a mapping, got str: '/c'"),
+])
+def test_bad_config_names_the_key(data, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        from_dict(JobConfig, data)
+
+
+def test_bad_override_and_bad_file(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("override 'seed' must look like key.sub=value")):
+        load_config(JobConfig, None, ["seed"])
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="the top level of a config file must be a mapping"):
+        load_config(JobConfig, path)
+
+
+def layout_error(parallel, world_size=2, layers=8, heads=4, groups=2):
+    with pytest.raises(ValueError) as error:
+        parallel.validate_for_model(world_size=world_size, num_layers=layers,
+                                    num_attention_heads=heads, num_query_groups=groups)
+    return str(error.value)
+
+
+def test_layouts_rejected_before_building():
+    assert layout_error(ParallelConfig(pipeline=2, virtual_pipeline=3)) == (
+        "the model's 8 layers do not divide into parallel.pipeline × "
+        "parallel.virtual_pipeline = 2 × 3 = 6 stages; choose sizes whose product divides 8")
+    assert layout_error(ParallelConfig(pipeline=3), world_size=3) == (
+        "the model's 8 layers do not divide into parallel.pipeline = 3 stages; "
+        "choose sizes whose product divides 8")
+    assert layout_error(ParallelConfig(pipeline=2), world_size=3) == (
+        "world size 3 is not divisible by parallel.tensor × parallel.pipeline = 1 × 2; "
+        "launch a multiple of 2 ranks or change the layout")
+    assert layout_error(ParallelConfig(tensor=4), world_size=4, groups=2) == (
+        "parallel.tensor=4 must divide the model's 4 attention heads and 2 key/value heads")
+
+
+def test_valid_layouts():
+    ParallelConfig(pipeline=2, virtual_pipeline=4).validate_for_model(
+        world_size=4, num_layers=8, num_attention_heads=4, num_query_groups=2)
+    assert ParallelConfig(tensor=2, pipeline=2).data_parallel_size(8) == 2
+    assert ParallelConfig(pipeline=2, virtual_pipeline=2).num_model_chunks == 2
+    assert ParallelConfig().num_model_chunks == 1
