@@ -17,12 +17,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=128)
     parser.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     spec = TinyModelSpec(architecture=args.arch, num_layers=args.layers,
                          hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         vocab_size=args.vocab_size,
                          tie_word_embeddings=args.tie, dtype=args.dtype, seed=args.seed)
     path = write_tiny_checkpoint(args.out_dir, spec)
     print(f"wrote {spec.architecture} tiny checkpoint ({spec.num_layers} layers) to {path}")

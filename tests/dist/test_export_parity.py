@@ -30,10 +30,8 @@ def results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("scenario", sorted(EXPECTED_TENSORS))
-def test_layout_exports_exactly_with_gradient_parity(results, scenario):
-    report = results[scenario]
+def assert_exact_with_parity(report, scenario):
+    """The verifier's report for ``scenario``: bitwise export, loss and grads within tolerance."""
     assert report["tensors"] == EXPECTED_TENSORS[scenario]
     assert report["mismatched"] == []
     assert report["missing"] == []
@@ -45,6 +43,13 @@ def test_layout_exports_exactly_with_gradient_parity(results, scenario):
         assert report["loss_max_abs_diff"] <= 1e-2
         assert report["grad_max_abs_diff"] <= 1e-2
     assert report["passed"] is True
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("scenario", sorted(EXPECTED_TENSORS))
+def test_layout_exports_exactly_with_gradient_parity(results, scenario):
+    assert results[scenario]["device"] == "cpu"
+    assert_exact_with_parity(results[scenario], scenario)
 
 
 @pytest.mark.timeout(900)
