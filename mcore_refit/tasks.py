@@ -1,0 +1,139 @@
+"""Prompts with verifiable answers, and the rewards that score completions against them.
+
+A task is an iterable source of :class:`Problem` batches; a reward function scores one completion
+against its problem. The built-in :class:`ArithmeticTask` is generated from a seed (no data to
+ship); :class:`JsonlTask` reads users' own ``{"prompt": ..., "answer": ...}`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and the answer a correct completion contains."""
+
+    prompt: str
+    answer: str
+
+
+class RewardFunction(Protocol):
+    """Scores ``completion`` (the generated text, stop token removed) for ``problem``."""
+
+    def __call__(self, problem: Problem, completion: str) -> float:
+        ...
+
+
+class ExactMatchReward:
+    """1.0 when the completion, stripped of surrounding whitespace, equals the answer; else 0.0."""
+
+    def __call__(self, problem: Problem, completion: str) -> float:
+        return 1.0 if completion.strip() == problem.answer else 0.0
+
+
+class Task(Protocol):
+    """An endless, seeded source of problems."""
+
+    def sample(self, num_problems: int) -> list[Problem]:
+        """The next ``num_problems`` problems (deterministic for a given seed and call order)."""
+        ...
+
+
+Operation = Literal["add", "sub", "mul"]
+_SYMBOLS = {"add": "+", "sub": "-", "mul": "*"}
+
+
+@dataclass(kw_only=True)
+class ArithmeticTask:
+    """``a<op>b=`` → the decimal result, operands of ``num_digits`` digits.
+
+    With ``modulo`` set the answer is the result modulo it (``modulo=10`` makes one-digit answers,
+    which a tiny model learns within minutes on a CPU).
+    """
+
+    seed: int = 0
+    num_digits: int = 1
+    operation: Operation = "add"
+    modulo: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_digits < 1:
+            raise ValueError(f"task.num_digits must be ≥ 1, got {self.num_digits}")
+        if self.operation not in _SYMBOLS:
+            raise ValueError(f"task.operation must be one of {sorted(_SYMBOLS)}, "
+                             f"got {self.operation!r}")
+        if self.modulo is not None and self.modulo < 2:
+            raise ValueError(f"task.modulo must be ≥ 2 or null, got {self.modulo}")
+        self._rng = random.Random(self.seed)
+
+    def sample(self, num_problems: int) -> list[Problem]:
+        high = 10 ** self.num_digits - 1
+        problems = []
+        for _ in range(num_problems):
+            a, b = self._rng.randint(0, high), self._rng.randint(0, high)
+            result = {"add": a + b, "sub": a - b, "mul": a * b}[self.operation]
+            if self.modulo is not None:
+                result %= self.modulo
+            problems.append(Problem(prompt=f"{a}{_SYMBOLS[self.operation]}{b}=",
+                                    answer=str(result)))
+        return problems
+
+
+@dataclass(kw_only=True)
+class JsonlTask:
+    """Problems from a JSON-lines file of ``{"prompt": str, "answer": str}``, shuffled per epoch."""
+
+    path: str
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._problems = load_jsonl_problems(self.path)
+        self._rng = random.Random(self.seed)
+        self._order: list[int] = []
+
+    def sample(self, num_problems: int) -> list[Problem]:
+        problems = []
+        while len(problems) < num_problems:
+            if not self._order:
+                self._order = list(range(len(self._problems)))
+                self._rng.shuffle(self._order)
+            problems.append(self._problems[self._order.pop()])
+        return problems
+
+
+def load_jsonl_problems(path: str | Path) -> list[Problem]:
+    """Read ``{"prompt", "answer"}`` lines; errors name the file, the line and the problem."""
+    problems = []
+    text = Path(path).read_text()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected an object with 'prompt' and 'answer'")
+        for key in ("prompt", "answer"):
+            if not isinstance(record.get(key), str) or not record[key]:
+                raise ValueError(f"{where}: '{key}' must be a non-empty string")
+        problems.append(Problem(prompt=record["prompt"], answer=record["answer"]))
+    if not problems:
+        raise ValueError(f"{path}: no problems found")
+    return problems
+
+
+def score(reward: RewardFunction, problems: Sequence[Problem],
+          completions: Sequence[str]) -> list[float]:
+    """Rewards for ``completions[i]`` against ``problems[i]``."""
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
+    return [float(reward(problem, completion))
+            for problem, completion in zip(problems, completions, strict=True)]
