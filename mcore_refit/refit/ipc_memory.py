@@ -1,0 +1,188 @@
+"""How the colocated transport's buffers and socket reach the engine process.
+
+- The socket and, on CPU, the shared-memory files live in a private directory
+  ``<parent>/mcore_refit-<uid>`` (mode 0700, owned by this user; checked on both sides), so
+  other users cannot connect or read weights.
+- The address is unique to the physical device: the GPU's UUID (one trainer per GPU), or on CPU a
+  caller-chosen id.
+- GPU buffers travel as CUDA IPC handles (``torch.multiprocessing.reductions.reduce_tensor``),
+  serialised field by field into the wire message: raw handle bytes plus integers, never pickle.
+- CPU buffers are files in the private directory mapped ``MAP_SHARED`` on both sides.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}$")
+_SLOT_FILE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}\.slot[0-9]{1,3}$")
+
+
+def private_runtime_dir(parent: str | None) -> Path:
+    """``<parent>/mcore_refit-<uid>``, created with mode 0700 and checked to be private.
+
+    ``parent=None`` means ``/dev/shm`` when it exists (tmpfs: shared-memory files stay in RAM),
+    else the system temp directory.
+    """
+    if parent is None:
+        parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = Path(parent) / f"mcore_refit-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    check_private_dir(path)
+    return path
+
+
+def check_private_dir(path: Path) -> None:
+    """Raise ``ValueError`` unless ``path`` is a real directory owned by us with mode 0700."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{path} must be a directory (not a symlink or file)")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"{path} is owned by uid {info.st_uid}, not by this user ({os.getuid()})")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        raise ValueError(
+            f"{path} has mode {stat.S_IMODE(info.st_mode):04o}; it must be 0700 so that other "
+            "users cannot reach the refit socket"
+        )
+
+
+def device_key(device: torch.device, *, cpu_device_id: str | None) -> str:
+    """A name unique to the physical device: the GPU UUID, or ``cpu_device_id`` on CPU."""
+    if device.type == "cuda":
+        if cpu_device_id is not None:
+            raise ValueError("cpu_device_id is only for CPU devices; a GPU is named by its UUID")
+        return gpu_uuid(device)
+    if cpu_device_id is None:
+        raise ValueError("a colocated refit on CPU needs cpu_device_id: a unique name shared by "
+                         "the trainer and the engine process")
+    if not _KEY_PATTERN.match(cpu_device_id):
+        raise ValueError(f"cpu_device_id {cpu_device_id!r} must match {_KEY_PATTERN.pattern}")
+    return cpu_device_id
+
+
+def gpu_uuid(device: torch.device) -> str:
+    return "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
+
+
+def socket_path(directory: Path, key: str) -> Path:
+    path = directory / f"{key}.sock"
+    if len(str(path)) > 100:
+        raise ValueError(f"socket path {path} is too long for a Unix socket; use a shorter "
+                         "refit.ipc_dir")
+    return path
+
+
+def address_of(path: Path) -> str:
+    return f"ipc://{path}"
+
+
+def path_of(address: str) -> Path:
+    """The socket path of an ``ipc://`` address whose directory is private."""
+    if not address.startswith("ipc://"):
+        raise ValueError(f"colocated refit address must start with ipc://, got {address!r}")
+    path = Path(address.removeprefix("ipc://"))
+    check_private_dir(path.parent)
+    return path
+
+
+def claim_socket_path(path: Path) -> None:
+    """Remove a stale socket at ``path``; refuse if a live process is listening there."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # left over from a process that died
+        return
+    finally:
+        probe.close()
+    raise ValueError(f"another trainer is already bound at {path} (one trainer per device)")
+
+
+def create_shared_cpu_slot(path: Path, nbytes: int) -> torch.Tensor:
+    """A zero-filled ``uint8`` tensor backed by a new 0600 file, mapped shared."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def describe_slot(slot: torch.Tensor, *, cpu_file: Path | None) -> tuple[dict[str, Any], list]:
+    """Wire description of a slot: JSON-safe fields and raw blobs (handles)."""
+    if slot.device.type == "cuda":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        rebuild, args = reduce_tensor(slot)
+        assert rebuild is rebuild_cuda_tensor
+        (_, size, stride, tensor_offset, _, dtype, _, handle, storage_size_bytes,
+         storage_offset_bytes, _, ref_counter_handle, ref_counter_offset, event_handle,
+         event_sync_required) = args
+        assert tuple(size) == (slot.numel(),) and tuple(stride) == (1,) and dtype == torch.uint8
+        fields = {
+            "kind": "cuda", "nbytes": slot.numel(), "tensor_offset": tensor_offset,
+            "storage_size_bytes": storage_size_bytes,
+            "storage_offset_bytes": storage_offset_bytes,
+            "ref_counter_offset": ref_counter_offset,
+            "event_sync_required": bool(event_sync_required),
+            "has_event_handle": event_handle is not None,
+        }
+        return fields, [bytes(handle), bytes(ref_counter_handle), bytes(event_handle or b"")]
+    assert cpu_file is not None
+    return {"kind": "shm", "nbytes": slot.numel(), "file": cpu_file.name}, []
+
+
+def open_slot(fields: dict[str, Any], blobs: list[bytes], *, device: torch.device,
+              directory: Path) -> torch.Tensor:
+    """Map a slot described by :func:`describe_slot` into this process."""
+    kind = fields.get("kind")
+    nbytes = _int_field(fields, "nbytes")
+    if kind == "shm":
+        if device.type != "cpu":
+            raise ValueError(f"the trainer shares CPU memory but this engine is on {device}")
+        name = fields.get("file")
+        if not isinstance(name, str) or not _SLOT_FILE_PATTERN.match(name):
+            raise ValueError(f"invalid shared-memory file name {name!r}")
+        path = directory / name
+        if os.lstat(path).st_uid != os.getuid():
+            raise ValueError(f"{path} is not owned by this user")
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    if kind == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"the trainer shares GPU memory but this engine is on {device}")
+        if len(blobs) != 3:
+            raise ValueError(f"a CUDA slot needs 3 handle blobs, got {len(blobs)}")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        handle, ref_counter_handle, event_handle = blobs
+        if not fields.get("has_event_handle"):
+            event_handle = None
+        return rebuild_cuda_tensor(
+            torch.Tensor, (nbytes,), (1,), _int_field(fields, "tensor_offset"),
+            torch.storage.TypedStorage, torch.uint8, device.index, handle,
+            _int_field(fields, "storage_size_bytes"), _int_field(fields, "storage_offset_bytes"),
+            False, ref_counter_handle, _int_field(fields, "ref_counter_offset"), event_handle,
+            bool(fields.get("event_sync_required")),
+        )
+    raise ValueError(f"unknown slot kind {kind!r}")
+
+
+def _int_field(fields: dict[str, Any], key: str) -> int:
+    value = fields.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"slot field {key!r} must be a non-negative integer, got {value!r}")
+    return value

@@ -1,0 +1,181 @@
+"""The engine side of refits, with the call names of vLLM's weight-transfer subsystem.
+
+An inference engine process wraps its model in a
+:class:`~mcore_refit.refit.transport.WeightLoader` (e.g.
+:class:`~mcore_refit.refit.engines.HFModelEngine`) and drives a :class:`WeightTransferEndpoint`:
+
+    endpoint.init_weight_transfer_engine(IpcInitInfo(address=...))   # once
+    endpoint.start_weight_update()                                   # per refit
+    endpoint.update_weights()            # blocks until the trainer's refit completed
+    endpoint.finish_weight_update(weight_version=step)
+
+The transport turns every received buffer into ``(name, view)`` pairs and calls
+``load_weights``; the endpoint tracks the weight version and refuses to finish an update that
+failed, so a half-loaded model is never labelled with a new version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_refit.refit.broadcast import BroadcastReceiver
+from mcore_refit.refit.config import RefitConfig
+from mcore_refit.refit.ipc import IpcReceiver
+from mcore_refit.refit.plan import RefitPlan
+from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit.transport import RefitError, RefitReceiver, WeightLoader
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IpcInitInfo:
+    """Colocated: the trainer's socket address (``IpcSender.address``)."""
+
+    address: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or not self.address.startswith("ipc://"):
+            raise ValueError(f"init_info.address must be an ipc:// address, got {self.address!r}")
+
+    def connect(self, *, device: torch.device, config: RefitConfig,
+                plan: RefitPlan | None) -> RefitReceiver:
+        return IpcReceiver(address=self.address, device=device, config=config, plan=plan)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BroadcastInitInfo:
+    """Non-colocated: the refit process group and the sender's rank within it."""
+
+    src_rank: int
+    # The refit process group; None means the default group.
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.src_rank, bool) or not isinstance(self.src_rank, int) or \
+                self.src_rank < 0:
+            raise ValueError(f"init_info.src_rank must be a group rank ≥ 0, got {self.src_rank!r}")
+
+    def connect(self, *, device: torch.device, config: RefitConfig,
+                plan: RefitPlan | None) -> RefitReceiver:
+        return BroadcastReceiver(group=self.group, src_rank=self.src_rank, device=device,
+                                 config=config, plan=plan)
+
+
+InitInfo = IpcInitInfo | BroadcastInitInfo
+
+
+def init_info_from_dict(data: Mapping[str, Any], *,
+                        group: dist.ProcessGroup | None = None) -> InitInfo:
+    """Parse plain-data init info: ``{"transport": "ipc", "address": ...}`` or
+    ``{"transport": "broadcast", "src_rank": ...}`` (with ``group`` passed alongside)."""
+    data = dict(data)
+    transport = data.pop("transport", None)
+    parsers = {"ipc": (IpcInitInfo, {"address"}), "broadcast": (BroadcastInitInfo, {"src_rank"})}
+    if transport not in parsers:
+        raise ValueError(f"init_info.transport must be 'ipc' or 'broadcast', got {transport!r}")
+    cls, keys = parsers[transport]
+    unknown = sorted(set(data) - keys)
+    if unknown:
+        raise ValueError(f"unknown init_info key '{unknown[0]}' for transport {transport!r} "
+                         f"(known: {', '.join(sorted(keys))})")
+    missing = sorted(keys - set(data))
+    if missing:
+        raise ValueError(f"init_info for transport {transport!r} lacks '{missing[0]}'")
+    if cls is BroadcastInitInfo:
+        return BroadcastInitInfo(group=group, **data)
+    return cls(**data)
+
+
+class WeightTransferEndpoint:
+    """Engine-side control surface for refits. Owns its transport: call :meth:`close`."""
+
+    def __init__(self, *, engine: WeightLoader, device: torch.device, config: RefitConfig,
+                 plan: RefitPlan | None = None) -> None:
+        self._engine = engine
+        self._device = torch.device(device)
+        self._config = config
+        self._plan = plan
+        self._receiver: RefitReceiver | None = None
+        self._updating = False
+        self._failed = False
+        self._weight_version: int | None = None
+        self.last_telemetry: RefitTelemetry | None = None
+
+    @property
+    def weight_version(self) -> int | None:
+        """Version passed to the last successful :meth:`finish_weight_update`."""
+        return self._weight_version
+
+    @property
+    def plan(self) -> RefitPlan | None:
+        return self._receiver.plan if self._receiver is not None else self._plan
+
+    def init_weight_transfer_engine(self, init_info: InitInfo | Mapping[str, Any]) -> None:
+        """Connect the transport. For ``broadcast`` this is a collective with the trainer's
+        ``prepare()``: call it on every inference rank while the trainer prepares."""
+        if self._receiver is not None:
+            raise RuntimeError("init_weight_transfer_engine was already called")
+        if isinstance(init_info, Mapping):
+            init_info = init_info_from_dict(init_info)
+        receiver = init_info.connect(device=self._device, config=self._config, plan=self._plan)
+        try:
+            receiver.prepare()
+        except BaseException:
+            receiver.close()
+            raise
+        self._receiver = receiver
+
+    def start_weight_update(self) -> None:
+        """Mark the start of an update (the engine should stop serving requests now)."""
+        if self._receiver is None:
+            raise RuntimeError("call init_weight_transfer_engine before start_weight_update")
+        if self._updating:
+            raise RuntimeError("a weight update is already in progress")
+        self._updating, self._failed = True, False
+
+    def update_weights(self, update_info: Mapping[str, Any] | None = None) -> RefitTelemetry:
+        """Receive one refit into the engine; blocks until the trainer's refit completed.
+
+        ``update_info`` is reserved for per-update options and must be empty. Raises
+        :class:`~mcore_refit.refit.transport.RefitError` when the refit failed on any side.
+        """
+        if not self._updating:
+            raise RuntimeError("call start_weight_update before update_weights")
+        if update_info:
+            raise ValueError(f"unknown update_info key '{sorted(update_info)[0]}'")
+        try:
+            self.last_telemetry = self._receiver.receive(self._engine)
+        except BaseException:
+            self._failed = True
+            raise
+        logger.info("refit %s", json.dumps(self.last_telemetry.as_dict()))
+        return self.last_telemetry
+
+    def finish_weight_update(self, weight_version: int) -> None:
+        """Label the loaded weights ``weight_version``; refuses after a failed update."""
+        if not self._updating:
+            raise RuntimeError("finish_weight_update without start_weight_update")
+        self._updating = False
+        if self._failed:
+            raise RefitError(f"the update to weight version {weight_version} failed; the "
+                             "engine's weights are partial and keep their previous version label")
+        self._weight_version = weight_version
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

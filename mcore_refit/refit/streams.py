@@ -1,0 +1,123 @@
+"""CUDA streams and events where the device is a GPU; host-ordered no-ops where it is the CPU.
+
+Transports call these helpers instead of ``torch.cuda`` directly, so the same code runs with CPU
+tensors (gloo, shared memory) without relying on any global patching of ``torch.cuda``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from mcore_refit.refit.transport import RefitTimeout
+
+
+class DeviceStreams:
+    """Stream/event helpers for one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+
+    def new_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.Stream(device=self.device) if self.is_cuda else None
+
+    def use(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current (a no-op on CPU)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)
+
+    def new_event(self, *, timing: bool = False) -> torch.cuda.Event | None:
+        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else None
+
+    def record(self, event: torch.cuda.Event | None,
+               stream: torch.cuda.Stream | None = None) -> None:
+        """Record ``event`` on ``stream`` (the current stream when None)."""
+        if event is not None:
+            event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+
+    def stream_wait(self, event: torch.cuda.Event | None,
+                    stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: current) wait for ``event`` without blocking the host."""
+        if event is not None:
+            (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(
+                event)
+
+    def host_wait(self, event: torch.cuda.Event | None, *, timeout_s: float, what: str) -> None:
+        """Block the host until ``event`` completed, or raise :class:`RefitTimeout` naming ``what``.
+
+        Polls instead of ``event.synchronize()``, which cannot time out: spins for the first
+        couple of milliseconds (most waits in a refit are a buffer's copy or transfer, and a
+        sleep's wake-up latency would add to every one), then sleeps at most 200 µs at a time.
+        """
+        if event is None or event.query():
+            return
+        start = time.monotonic()
+        deadline = start + timeout_s
+        spin_until = start + 2e-3
+        pause = 5e-5
+        while not event.query():
+            now = time.monotonic()
+            if now > deadline:
+                raise RefitTimeout(f"timed out after {timeout_s:g} s waiting for {what}")
+            if now > spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-4)
+
+    def synchronize(self, *, timeout_s: float, what: str) -> None:
+        """Wait for all work queued on this device's current stream (with a timeout)."""
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.host_wait(event, timeout_s=timeout_s, what=what)
+
+    def elapsed_s(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None) -> float:
+        """Seconds between two completed timing events (0 on CPU)."""
+        if start is None or end is None:
+            return 0.0
+        return start.elapsed_time(end) / 1e3
+
+    def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for small device↔host copies: pinned on CUDA, so they can be async."""
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.is_cuda)
+
+
+class DeviceMemoryProbe:
+    """Device allocator counters around a refit: peak extra bytes, allocations, new segments."""
+
+    def __init__(self, device: torch.device, *, track_peak: bool) -> None:
+        self._device = torch.device(device)
+        self._enabled = self._device.type == "cuda"
+        self._track_peak = track_peak
+        self._start: dict[str, int] = {}
+
+    def start(self) -> None:
+        if not self._enabled:
+            return
+        if self._track_peak:
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._start = self._counters()
+
+    def stop(self) -> dict[str, int | None]:
+        """``peak_transient_bytes``, ``new_allocations``, ``new_segments`` since :meth:`start`."""
+        if not self._enabled:
+            return {"peak_transient_bytes": None, "new_allocations": None, "new_segments": None}
+        end = self._counters()
+        return {
+            "peak_transient_bytes": (end["peak"] - self._start["allocated"]
+                                     if self._track_peak else None),
+            "new_allocations": end["allocations"] - self._start["allocations"],
+            "new_segments": end["segments"] - self._start["segments"],
+        }
+
+    def _counters(self) -> dict[str, int]:
+        stats = torch.cuda.memory_stats(self._device)
+        return {
+            "allocated": stats.get("allocated_bytes.all.current", 0),
+            "peak": stats.get("allocated_bytes.all.peak", 0),
+            "allocations": stats.get("allocation.all.allocated", 0),
+            "segments": stats.get("segment.all.allocated", 0),
+        }

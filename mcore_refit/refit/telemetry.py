@@ -1,0 +1,76 @@
+"""Per-refit measurements: time per phase, bytes, bandwidth, device memory.
+
+Phases overlap by design (export and pack of one buffer run while another is on the wire), so
+they do not add up to ``total_s``. Meanings:
+
+- ``export_s``: host time spent inside the weight source's iterator;
+- ``pack_s``: time copying tensors into buffers (device time on GPU, host time on CPU);
+- ``transfer_s``: the transfer window, from the first buffer leaving to the last one arriving
+  (device time on GPU; host time on CPU; for the colocated transport, the time spent waiting for
+  the engine's ACKs);
+- ``load_s``: receiver only, time in the engine's ``load_weights`` (device time on GPU);
+- ``wait_s``: host time blocked on a buffer slot, an arrival or an ACK;
+- ``checksum_s`` / ``verify_s``: time in per-buffer checksums / the post-refit equality check;
+- ``peak_extra_bytes``: the transport's persistent buffers plus the peak of device memory
+  allocated above the level at refit start (``None`` on CPU);
+- ``new_allocations`` / ``new_segments``: caching-allocator allocations / cudaMalloc segments
+  made during the refit (``None`` on CPU). A steady-state refit from resident tensors makes 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class RefitTelemetry:
+    """Measurements of one refit on one rank; :meth:`as_dict` gives the loggable form."""
+
+    role: str
+    transport: str
+    refit_index: int
+    device: str
+    num_tensors: int
+    num_buffers: int
+    bytes: int
+    total_s: float = 0.0
+    export_s: float = 0.0
+    pack_s: float = 0.0
+    transfer_s: float = 0.0
+    load_s: float = 0.0
+    wait_s: float = 0.0
+    checksum_s: float = 0.0
+    verify_s: float = 0.0
+    buffer_bytes: int = 0
+    peak_transient_bytes: int | None = None
+    new_allocations: int | None = None
+    new_segments: int | None = None
+    checksums: bool = False
+    verified: bool | None = None
+
+    @property
+    def gbps(self) -> float:
+        """Payload gigabytes (1e9) per second over the whole refit."""
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    @property
+    def peak_extra_bytes(self) -> int | None:
+        if self.peak_transient_bytes is None:
+            return None
+        return self.buffer_bytes + self.peak_transient_bytes
+
+    def record_memory(self, stats: dict[str, int | None]) -> None:
+        """Take ``peak_transient_bytes``, ``new_allocations``, ``new_segments`` from a probe."""
+        self.peak_transient_bytes = stats["peak_transient_bytes"]
+        self.new_allocations = stats["new_allocations"]
+        self.new_segments = stats["new_segments"]
+
+    def as_dict(self) -> dict[str, object]:
+        data = dataclasses.asdict(self)
+        data["gbps"] = round(self.gbps, 3)
+        data["peak_extra_bytes"] = self.peak_extra_bytes
+        for key, value in data.items():
+            if key.endswith("_s") and isinstance(value, float):
+                data[key] = round(value, 6)
+        return data

@@ -1,0 +1,199 @@
+"""Refit benchmark: how fast do weights move from the trainer into an inference engine?
+
+    # non-colocated: rank 0 is the trainer (GPU0), rank 1 the engine (GPU1)
+    torchrun --nproc-per-node 2 recipes/refit_bench.py --config configs/refit_bench.yaml
+    # colocated: the engine is a process spawned on the trainer's GPU
+    torchrun --nproc-per-node 1 recipes/refit_bench.py --config configs/refit_bench.yaml \
+        refit.mode=colocated bench.source=moe_30b_a3b
+
+Overrides are ``section.key=value`` (YAML values). Weights come from a synthetic set generated on
+the trainer's device (``dense_8b``, ``moe_30b_a3b``, ``tiny``) or from a Megatron model through the
+Megatron-Bridge export (``bench.source=megatron``; ``megatron.hf_path`` or a ``megatron.preset``
+architecture with random weights). Prints one JSON line per mode (see
+:mod:`mcore_refit.refit.bench`), then a summary line; the exit code is 0 only when every verified
+refit matched bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from mcore_refit.config import Dtype, LayerSpec, load_config
+from mcore_refit.refit.bench import BenchConfig, emit, run_colocated, run_non_colocated, summarize
+from mcore_refit.refit.config import RefitConfig
+from mcore_refit.refit.group import GroupCollectives, RefitExchange
+from mcore_refit.refit.plan import build_plan
+from mcore_refit.refit.streams import DeviceStreams
+from mcore_refit.refit.synthetic import SyntheticWeightSource, synthetic_specs
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronSourceConfig:
+    """The Megatron trainer model for ``bench.source=megatron`` (TP1/PP1 on the sender rank)."""
+
+    # A Hugging Face checkpoint directory; null builds `preset` with random weights instead.
+    hf_path: str | None = None
+    preset: Literal["llama3_8b", "tiny_llama"] = "llama3_8b"
+    # Load the checkpoint's weights (only with hf_path); false keeps Megatron's random init.
+    load_weights: bool = False
+    dtype: Dtype = "bfloat16"
+    layer_spec: LayerSpec = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitBenchJob:
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
+    megatron: MegatronSourceConfig = field(default_factory=MegatronSourceConfig)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=None, help="YAML config (defaults otherwise)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    job = load_config(RefitBenchJob, args.config, args.overrides)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    colocated = job.refit.mode == "colocated"
+    if colocated != (world_size == 1):
+        raise ValueError(f"refit.mode={job.refit.mode} needs "
+                         f"{'one rank' if colocated else 'two or more ranks'}, got {world_size}")
+    device = _init_distributed(rank=rank, world_size=world_size, local_rank=local_rank,
+                               timeout_s=job.refit.start_timeout_s)
+    try:
+        source, specs = _trainer_source(job, device=device, is_trainer=rank == 0)
+        if colocated:
+            results = run_colocated(source=source, specs=specs, bench=job.bench, refit=job.refit,
+                                    device=device, cpu_device_id=_cpu_device_id(device))
+        else:
+            specs = _share_specs(specs, device=device, timeout_s=job.refit.start_timeout_s)
+            results = run_non_colocated(source=source, specs=specs, bench=job.bench,
+                                        refit=job.refit, group=None, src_rank=0, device=device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    plan = build_plan(specs, buffer_bytes=job.refit.resolve_buffer_bytes(device),
+                      num_slots=job.refit.num_buffers, alignment_bytes=job.refit.alignment_bytes)
+    for result in results:
+        emit({"source": job.bench.source, "placement": job.refit.mode, **result.as_dict()},
+             job.bench.output)
+    summary = summarize(results, source=job.bench.source, placement=job.refit.mode,
+                        refit=job.refit, plan=plan)
+    emit(summary, job.bench.output)
+    return 0 if summary["all_verified"] and not any(r.error for r in results) else 1
+
+
+def _init_distributed(*, rank: int, world_size: int, local_rank: int,
+                      timeout_s: float) -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "MASTER_ADDR" not in os.environ:  # a single process started without torchrun
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # The group's timeout bounds the engine's wait for a refit to start (NCCL's watchdog would
+    # otherwise abort first).
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s + 60),
+                            device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def _trainer_source(job: RefitBenchJob, *, device: torch.device, is_trainer: bool):
+    """The weight source and its specs on the trainer rank; ``(None, [])`` elsewhere."""
+    bench = job.bench
+    if bench.source != "megatron":
+        if not is_trainer:
+            return None, []
+        specs = synthetic_specs(bench.source, dtype=bench.torch_dtype)
+        return SyntheticWeightSource(specs, device=device, seed=bench.seed), specs
+    return _megatron_source(job.megatron, device=device, is_trainer=is_trainer)
+
+
+def _megatron_source(config: MegatronSourceConfig, *, device: torch.device, is_trainer: bool):
+    from mcore_refit import compat, distributed
+    from mcore_refit.config import ModelConfig, ParallelConfig
+
+    compat.install()
+    parallel = ParallelConfig()
+    # Megatron's groups span every rank (engine ranks count as data-parallel replicas that
+    # never build a model); only the trainer rank builds and exports.
+    distributed.init_model_parallel(parallel, seed=1234)
+    if not is_trainer:
+        return None, []
+    from mcore_refit.model import build_model
+    from mcore_refit.refit.source import BridgeWeightSource
+
+    hf_path = config.hf_path
+    if hf_path is None:
+        hf_path = _write_preset_config(config.preset)
+    model_config = ModelConfig(hf_path=hf_path, dtype=config.dtype,
+                               layer_spec=config.layer_spec,
+                               load_weights=config.load_weights and config.hf_path is not None)
+    model = build_model(model_config, parallel, device=device)
+    model.eval()
+    source = BridgeWeightSource(model)
+    return source, source.weight_specs()
+
+
+def _write_preset_config(preset: str) -> str:
+    """A config-only checkpoint directory for ``preset`` (random weights need no files)."""
+    from transformers import LlamaConfig
+
+    dims = {
+        "llama3_8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                          rope_theta=500000.0, max_position_embeddings=8192),
+        "tiny_llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                           max_position_embeddings=256),
+    }[preset]
+    config = LlamaConfig(**dims, tie_word_embeddings=False, rms_norm_eps=1e-5)
+    config.architectures = ["LlamaForCausalLM"]
+    path = tempfile.mkdtemp(prefix=f"refit_bench_{preset}_")
+    config.save_pretrained(path)
+    return path
+
+
+def _share_specs(specs, *, device: torch.device, timeout_s: float):
+    """The trainer's specs on every rank (as a plan, through the refit plan exchange)."""
+    exchange = RefitExchange(GroupCollectives(group=None, streams=DeviceStreams(device)),
+                             src_rank=0)
+    plan = build_plan(specs, buffer_bytes=1 << 30, num_slots=1) if specs else None
+    return exchange.share_plan(plan, timeout_s=timeout_s).specs()
+
+
+def _cpu_device_id(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else f"cpu-{uuid.uuid4().hex[:12]}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

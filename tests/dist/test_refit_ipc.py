@@ -1,0 +1,350 @@
+"""Colocated transport on CPU: the trainer in the test process, the engine in a spawned process.
+
+Same protocol as on GPU (ZMQ REQ/REP, ACK before reuse, COMPLETE summary) with shared-memory
+buffers instead of CUDA IPC handles. Round trips must be bitwise exact; every failure must be a
+RefitError on the trainer naming its cause, within the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import zmq
+
+from mcore_refit.refit import (
+    IpcInitInfo,
+    RefitConfig,
+    RefitError,
+    Refitter,
+    RefitTimeout,
+    TensorDictEngine,
+    WeightTransferEndpoint,
+    build_plan,
+    make_sender,
+    plan_for_source,
+)
+from mcore_refit.refit.ipc_memory import private_runtime_dir
+from mcore_refit.refit.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
+from mcore_refit.refit.wire import Message, decode, encode
+
+CPU = torch.device("cpu")
+SEED = 11
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _bump(source) -> None:
+    for _, tensor in source.iter_weights():
+        tensor.add_(1)
+
+
+def _config(ipc_dir: str, **overrides) -> RefitConfig:
+    values = {"mode": "colocated", "buffer_bytes": 2048, "num_buffers": 2, "checksums": True,
+              "timeout_s": 5.0, "start_timeout_s": 30.0, "ipc_dir": ipc_dir}
+    return RefitConfig(**{**values, **overrides})
+
+
+class _ScriptedEngine(TensorDictEngine):
+    """Fails as told per refit: ``{refit: ("raise" | "kill", on_call)}``."""
+
+    def __init__(self, targets, script: dict) -> None:
+        super().__init__(targets, description="the scripted engine")
+        self.script = script
+        self.refit = 0
+        self.calls = 0
+
+    def load_weights(self, weights) -> None:
+        self.calls += 1
+        action = self.script.get(self.refit)
+        if action is not None and self.calls == action[1]:
+            if action[0] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"engine exploded in refit {self.refit} on call {self.calls}")
+        super().load_weights(weights)
+
+
+def engine_main(address: str, config: RefitConfig, out_path: str, num_refits: int,
+                script: dict, drop_name: str | None, own_plan_json: str | None,
+                trainer_refits_before: int) -> None:
+    """The engine process: serve ``num_refits`` refits, compare with the expected weights."""
+    from mcore_refit.refit.plan import plan_from_json
+
+    specs = tiny_mixed_specs()
+    base = TensorDictEngine.from_specs([s for s in specs if s.name != drop_name], device=CPU)
+    engine = _ScriptedEngine({n: base.get_weight(n) for n in base.names}, script)
+    expected = SyntheticWeightSource(specs, device=CPU, seed=SEED, noncontiguous=True)
+    for _ in range(trainer_refits_before):
+        _bump(expected)
+    plan = plan_from_json(own_plan_json) if own_plan_json else None
+    outcomes = []
+    try:
+        with WeightTransferEndpoint(engine=engine, device=CPU, config=config,
+                                    plan=plan) as endpoint:
+            endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
+            for refit in range(num_refits):
+                engine.refit, engine.calls = refit, 0
+                endpoint.start_weight_update()
+                try:
+                    telemetry = endpoint.update_weights()
+                    endpoint.finish_weight_update(refit)
+                    outcome = {"ok": True, "verified": telemetry.verified,
+                               "refit_index": telemetry.refit_index,
+                               "bitwise": all(torch.equal(bits(engine.get_weight(n)), bits(t))
+                                              for n, t in expected.iter_weights())}
+                except RefitError as error:
+                    outcome = {"ok": False, "type": type(error).__name__, "message": str(error)}
+                    try:
+                        endpoint.finish_weight_update(refit)
+                    except RefitError as refused:
+                        outcome["finish"] = str(refused)
+                outcomes.append(outcome)
+                _bump(expected)  # the trainer bumps its weights after every refit
+    except BaseException as error:
+        outcomes.append({"uncaught": f"{type(error).__name__}: {error}",
+                         "traceback": traceback.format_exc()})
+    Path(out_path).write_text(json.dumps(outcomes))
+
+
+def start_engine(address: str, config: RefitConfig, out_path: Path, *, num_refits: int,
+                 script: dict | None = None, drop_name: str | None = None,
+                 own_plan_json: str | None = None, trainer_refits_before: int = 0):
+    process = mp.get_context("spawn").Process(
+        target=engine_main, args=(address, config, str(out_path), num_refits, script or {},
+                                  drop_name, own_plan_json, trainer_refits_before))
+    process.start()
+    return process
+
+
+def finish_engine(process, out_path: Path, timeout_s: float = 30.0):
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        raise AssertionError("the engine process did not finish")
+    return json.loads(out_path.read_text()) if out_path.exists() else None
+
+
+class Trainer:
+    """The trainer side, in the test process."""
+
+    def __init__(self, config: RefitConfig, *, device_id: str) -> None:
+        self.source = SyntheticWeightSource(tiny_mixed_specs(), device=CPU, seed=SEED,
+                                            noncontiguous=True)
+        plan = plan_for_source(self.source, config=config, device=CPU)
+        sender = make_sender(config=config, plan=plan, device=CPU, cpu_device_id=device_id)
+        self.refitter = Refitter(source=self.source, sender=sender)
+        self.refitter.prepare()
+        self.address = sender.address
+
+    def refit(self, **kwargs):
+        try:
+            return self.refitter.refit(**kwargs)
+        finally:
+            _bump(self.source)
+
+    def close(self) -> None:
+        self.refitter.close()
+
+
+@pytest.fixture
+def ipc_dir():
+    # Short parent path: Unix socket paths are limited to ~100 characters.
+    path = tempfile.mkdtemp(prefix="rf", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_buffers", [1, 2, 3])
+def test_colocated_round_trip_bitwise(ipc_dir, tmp_path, num_buffers):
+    config = _config(ipc_dir, num_buffers=num_buffers)
+    trainer = Trainer(config, device_id=f"cpu-rt{num_buffers}")
+    private = private_runtime_dir(ipc_dir)
+    assert trainer.address == f"ipc://{private}/cpu-rt{num_buffers}.sock"
+    slot_files = sorted(p.name for p in private.glob("*.slot*"))
+    assert len(slot_files) == trainer.refitter.plan.num_slots_total
+    assert all(os.stat(private / f).st_mode & 0o777 == 0o600 for f in slot_files)
+    engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=3)
+    try:
+        first = trainer.refit(verify=True)
+        second = trainer.refit(verify=False)
+        third = trainer.refit(verify=True)
+    finally:
+        trainer.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    assert not list(private.iterdir())  # socket and shared-memory files removed on close
+    assert [o.get("bitwise") for o in outcomes] == [True, True, True], outcomes
+    assert [o["verified"] for o in outcomes] == [True, None, True]
+    assert [o["refit_index"] for o in outcomes] == [0, 1, 2]
+    assert first.verified is True and third.verified is True and second.verified is None
+    plan = trainer.refitter.plan
+    assert first.bytes == plan.total_bytes and first.num_buffers == plan.num_buffers > 3
+    assert any(b.oversized for b in plan.buffers)
+
+
+@pytest.mark.timeout(90)
+def test_colocated_unknown_name_and_mid_refit_raise(ipc_dir, tmp_path):
+    config = _config(ipc_dir)
+    trainer = Trainer(config, device_id="cpu-names")
+    engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=3,
+                          script={1: ("raise", 2)}, drop_name="head.weight")
+    try:
+        with pytest.raises(RefitError) as unknown:
+            trainer.refit()
+        with pytest.raises(RefitError) as raised:
+            trainer.refit()
+        with pytest.raises(RefitError) as unknown_again:
+            trainer.refit()
+    finally:
+        trainer.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    plan = trainer.refitter.plan
+    last = plan.buffers[-1]
+    assert plan.names[last.stop_tensor - 1] == "head.weight"
+    assert str(unknown.value).startswith(
+        f"the engine failed on buffer {last.index} of refit 0 (tensors 'head.weight' .. "
+        "'head.weight'): buffer")
+    assert "ValueError: unknown weight name 'head.weight': the scripted engine has no " \
+           "parameter or buffer of that name" in str(unknown.value)
+    assert str(raised.value).startswith("the engine failed on buffer 1 of refit 1")
+    assert "RuntimeError: engine exploded in refit 1 on call 2" in str(raised.value)
+    assert "unknown weight name 'head.weight'" in str(unknown_again.value)
+    assert [o["ok"] for o in outcomes] == [False, False, False]
+    assert outcomes[0]["message"].startswith("refit 0 failed on the engine: buffer")
+    assert outcomes[0]["finish"].startswith("the update to weight version 0 failed")
+    assert "engine exploded in refit 1 on call 2" in outcomes[1]["message"]
+
+
+@pytest.mark.timeout(90)
+def test_colocated_source_drift_aborts_both_sides(ipc_dir, tmp_path):
+    config = _config(ipc_dir)
+    trainer = Trainer(config, device_id="cpu-drift")
+    engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=2)
+    healthy = trainer.refitter.source
+    drifting = TensorListSource([(n, t.double() if n == "layers.1.mlp.weight" else t)
+                                 for n, t in healthy.iter_weights()])
+    try:
+        trainer.refitter.source = drifting
+        with pytest.raises(RefitError) as raised:
+            trainer.refit()
+        trainer.refitter.source = healthy
+        recovered = trainer.refit(verify=True)
+    finally:
+        trainer.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    drift = ("the weight source yielded 'layers.1.mlp.weight' (33, 7) torch.float64 at "
+             "position 8, the refit plan expects 'layers.1.mlp.weight' (33, 7) torch.float16")
+    assert str(raised.value).startswith(f"refit 0 failed on the trainer: {drift}")
+    assert outcomes[0]["type"] == "RefitError"
+    assert outcomes[0]["message"].startswith("refit 0 failed: the trainer aborted refit 0: ")
+    assert drift in outcomes[0]["message"]
+    assert recovered.verified is True and outcomes[1]["ok"] is True
+    assert outcomes[1]["bitwise"] is True
+    assert outcomes[1]["refit_index"] == 1
+
+
+@pytest.mark.timeout(90)
+def test_colocated_plan_mismatch(ipc_dir, tmp_path):
+    config = _config(ipc_dir)
+    trainer = Trainer(config, device_id="cpu-plan")
+    other = build_plan(tiny_mixed_specs(), buffer_bytes=4096, num_slots=2)
+    engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=1,
+                          own_plan_json=other.to_json())
+    try:
+        with pytest.raises(RefitError) as raised:
+            trainer.refit()
+    finally:
+        trainer.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    mine = trainer.refitter.plan
+    expected = (f"refit plan mismatch: the engine holds plan {other.fingerprint[:16]} (10 "
+                f"tensors), the trainer sent {mine.fingerprint[:16]} (10 tensors)")
+    assert expected in str(raised.value)
+    assert expected in outcomes[0]["message"] and outcomes[0]["type"] == "RefitError"
+
+
+@pytest.mark.timeout(90)
+def test_colocated_dead_engine_times_out_then_a_new_engine_works(ipc_dir, tmp_path):
+    config = _config(ipc_dir, timeout_s=2.0)
+    trainer = Trainer(config, device_id="cpu-dead")
+    engine = start_engine(trainer.address, config, tmp_path / "dead.json", num_refits=2,
+                          script={1: ("kill", 2)})
+    trainer.refit()  # healthy: waits for the engine process to start and connect
+    started = time.monotonic()
+    with pytest.raises(RefitTimeout) as raised:
+        trainer.refit()  # the engine dies while loading buffer 1
+    assert time.monotonic() - started < 2.0 + 1.5
+    message = str(raised.value)
+    assert finish_engine(engine, tmp_path / "dead.json") is None and engine.exitcode == -9
+    assert message == (f"timed out after 2 s waiting for the engine's ACK of buffer 1/"
+                       f"{trainer.refitter.plan.num_buffers} of refit 1 at {trainer.address}; "
+                       "is the engine process alive?")
+    # A new engine process connects; the trainer sends its hello again and refits normally.
+    engine = start_engine(trainer.address, config, tmp_path / "new.json", num_refits=1,
+                          trainer_refits_before=2)
+    try:
+        telemetry = trainer.refit(verify=True)
+    finally:
+        trainer.close()
+    outcomes = finish_engine(engine, tmp_path / "new.json")
+    assert telemetry.verified is True
+    assert outcomes == [{"ok": True, "verified": True, "refit_index": 2, "bitwise": True}]
+
+
+@pytest.mark.timeout(60)
+def test_engine_times_out_when_the_trainer_is_gone(ipc_dir, tmp_path):
+    trainer = Trainer(_config(ipc_dir), device_id="cpu-gone")
+    engine = start_engine(trainer.address, _config(ipc_dir, start_timeout_s=3.0),
+                          tmp_path / "engine.json", num_refits=2)
+    try:
+        trainer.refit()
+    finally:
+        trainer.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    assert outcomes[0]["ok"] is True
+    assert outcomes[1]["type"] == "RefitTimeout"
+    assert outcomes[1]["message"].startswith(
+        "timed out after 3 s waiting for the trainer's start of a refit at ipc://")
+
+
+@pytest.mark.timeout(60)
+def test_engine_rejects_garbage_and_pickles(ipc_dir, tmp_path):
+    """A same-user process that reaches the socket gets error replies, never code execution."""
+    config = _config(ipc_dir, start_timeout_s=4.0)
+    directory = private_runtime_dir(ipc_dir)
+    address = f"ipc://{directory}/cpu-garbage.sock"
+    context = zmq.Context()
+    intruder = context.socket(zmq.REQ)
+    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.bind(address)
+    engine = start_engine(address, config, tmp_path / "engine.json", num_refits=1)
+    import pickle
+
+    replies = []
+    try:
+        for frames in ([b"garbage"], [pickle.dumps(os.system)],
+                       encode(Message(kind="buffer", fields={"buffer_index": 0}))):
+            intruder.send_multipart(frames)
+            assert intruder.poll(20000), "the engine did not reply"
+            replies.append(decode(intruder.recv_multipart()))
+    finally:
+        intruder.close()
+        context.term()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    assert [r.kind for r in replies] == ["error", "error", "error"]
+    assert replies[0].fields["message"].startswith("malformed message: message of 7 bytes")
+    assert replies[1].fields["message"].startswith("malformed message: bad magic")
+    assert replies[2].fields["message"] == "unexpected buffer message before a start"
+    assert outcomes[0]["type"] == "RefitTimeout"
