@@ -1,5 +1,6 @@
 # One-command set-up: every target creates or refreshes the virtual environment in .venv first.
-#   make demo   tiny model on CPU: export + gradient parity check at PP2 x VPP2 on 2 ranks
+#   make demo   the GRPO job on its tiny CPU default: 2 ranks train a tiny Llama at PP2 x VPP2,
+#               each with a colocated inference engine refit every step
 #   make test   the test suite (GPU tests are skipped without GPUs)
 #   make lint   ruff
 
@@ -8,7 +9,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := .demo
-NPROC ?= 2
 
 .PHONY: venv test demo lint clean
 
@@ -27,8 +27,9 @@ test: venv
 
 demo: venv
 	$(BIN)/python recipes/make_tiny_model.py $(DEMO_DIR)/tiny-llama --layers 8
-	$(BIN)/torchrun --nproc-per-node $(NPROC) recipes/verify_export.py \
-	  --hf-path $(DEMO_DIR)/tiny-llama --pp 2 --vpp 2
+	rm -rf $(DEMO_DIR)/run
+	$(BIN)/torchrun --nproc-per-node 2 recipes/grpo.py \
+	  --config configs/grpo_tiny_cpu_colocated.yaml run.output_dir=$(DEMO_DIR)/run
 
 lint: venv
 	$(BIN)/ruff check mcore_refit recipes tests

@@ -41,17 +41,8 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int,
     compat.install()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(
-                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}"
-            )
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
+    device = _device_for(local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -97,3 +88,117 @@ def shutdown() -> None:
         return
     destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitJob:
+    """One torchrun launch split into trainer ranks and inference ranks (non-colocated mode).
+
+    Each role has its own default process group (``context`` is role-local: rank 0 is the first
+    rank of the role), so Megatron's model-parallel state on the trainer ranks never sees the
+    inference ranks. ``refit_group`` (NCCL on GPU) and ``control_group`` (gloo, for small
+    control messages) are standalone process groups of trainer rank 0 (their rank 0) and every
+    inference rank; both are None on the other trainer ranks. Standalone groups are not known to
+    ``torch.distributed``'s world: use their own methods (``rank()``, ``broadcast()``, ...).
+    """
+
+    role: str  # "trainer" | "inference"
+    context: DistributedContext
+    global_rank: int
+    num_trainer_ranks: int
+    num_inference_ranks: int
+    refit_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.role == "trainer"
+
+
+def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference_ranks: int,
+                   store_host: str, store_port: int, timeout_s: float = 600.0) -> SplitJob:
+    """Initialise a non-colocated job: the last ``num_inference_ranks`` ranks serve inference.
+
+    Every rank connects to the launcher's key-value store (torchrun's ``MASTER_ADDR`` and
+    ``MASTER_PORT``) and builds its role's default group and, where it is a member, the refit
+    group from separate key prefixes. Call on every rank of the launch.
+    """
+    compat.install()
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process")
+    if not 0 < num_inference_ranks < world_size:
+        raise ValueError(f"inference.num_ranks={num_inference_ranks} must leave at least one "
+                         f"trainer rank and one inference rank among {world_size} ranks")
+    num_trainer_ranks = world_size - num_inference_ranks
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
+    is_trainer = rank < num_trainer_ranks
+    role = "trainer" if is_trainer else "inference"
+    role_rank = rank if is_trainer else rank - num_trainer_ranks
+    role_size = num_trainer_ranks if is_trainer else num_inference_ranks
+    device = _device_for(local_rank if is_trainer else _inference_device_index(
+        role_rank, num_trainer_ranks=num_trainer_ranks, num_inference_ranks=num_inference_ranks))
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        store=dist.PrefixStore(f"{role}/", store), rank=role_rank, world_size=role_size,
+        timeout=timeout, device_id=device if device.type == "cuda" else None,
+    )
+    refit_group = control_group = None
+    if rank == 0 or not is_trainer:
+        member_rank = 0 if is_trainer else 1 + role_rank
+        refit_group = _standalone_group(dist.PrefixStore("refit/", store), rank=member_rank,
+                                        size=1 + num_inference_ranks, device=device,
+                                        timeout=timeout)
+        control_group = _standalone_group(dist.PrefixStore("control/", store), rank=member_rank,
+                                          size=1 + num_inference_ranks,
+                                          device=torch.device("cpu"), timeout=timeout)
+    context = DistributedContext(rank=role_rank, world_size=role_size, local_rank=local_rank,
+                                 device=device)
+    return SplitJob(role=role, context=context, global_rank=rank,
+                    num_trainer_ranks=num_trainer_ranks, num_inference_ranks=num_inference_ranks,
+                    refit_group=refit_group, control_group=control_group)
+
+
+def _inference_device_index(inference_rank: int, *, num_trainer_ranks: int,
+                            num_inference_ranks: int) -> int:
+    """The GPU of an inference rank: the next free one, or a trainer rank's (never rank 0's).
+
+    With one GPU per rank, inference rank ``i`` takes GPU ``num_trainer_ranks + i``. With fewer
+    GPUs the inference ranks share the last GPUs with trainer ranks; the refit still crosses
+    devices, since its source, trainer rank 0, keeps GPU 0 to itself.
+    """
+    if not torch.cuda.is_available():
+        return num_trainer_ranks + inference_rank
+    num_gpus = torch.cuda.device_count()
+    if num_gpus >= num_trainer_ranks + num_inference_ranks:
+        return num_trainer_ranks + inference_rank
+    if num_gpus - num_inference_ranks < 1:
+        raise ValueError(f"{num_inference_ranks} inference ranks need GPUs other than trainer rank "
+                         f"0's, but this node has {num_gpus}")
+    return num_gpus - num_inference_ranks + inference_rank
+
+
+def _device_for(local_rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _standalone_group(store, *, rank: int, size: int, device: torch.device,
+                      timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group outside the default world: a bare NCCL or gloo backend object.
+
+    It offers ``rank()``, ``size()``, ``broadcast()``, ``allreduce()``, ``allgather()`` but is
+    unknown to the ``torch.distributed`` functions that take ``group=``.
+    """
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

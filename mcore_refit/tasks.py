@@ -51,16 +51,18 @@ _SYMBOLS = {"add": "+", "sub": "-", "mul": "*"}
 
 @dataclass(kw_only=True)
 class ArithmeticTask:
-    """``a<op>b=`` → the decimal result, operands of ``num_digits`` digits.
+    """``a<op>b=`` → the decimal result, operands of up to ``num_digits`` digits.
 
-    With ``modulo`` set the answer is the result modulo it (``modulo=10`` makes one-digit answers,
-    which a tiny model learns within minutes on a CPU).
+    ``max_operand`` narrows the operands to ``[0, max_operand]`` (operands up to 4 give one-digit
+    sums, which a tiny model learns within minutes on a CPU); with ``modulo`` set the answer is
+    the result modulo it.
     """
 
     seed: int = 0
     num_digits: int = 1
     operation: Operation = "add"
     modulo: int | None = None
+    max_operand: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_digits < 1:
@@ -70,10 +72,13 @@ class ArithmeticTask:
                              f"got {self.operation!r}")
         if self.modulo is not None and self.modulo < 2:
             raise ValueError(f"task.modulo must be ≥ 2 or null, got {self.modulo}")
+        if self.max_operand is not None and not 0 < self.max_operand < 10 ** self.num_digits:
+            raise ValueError(f"task.max_operand must be in [1, {10 ** self.num_digits - 1}] for "
+                             f"num_digits={self.num_digits}, got {self.max_operand}")
         self._rng = random.Random(self.seed)
 
     def sample(self, num_problems: int) -> list[Problem]:
-        high = 10 ** self.num_digits - 1
+        high = self.max_operand if self.max_operand is not None else 10 ** self.num_digits - 1
         problems = []
         for _ in range(num_problems):
             a, b = self._rng.randint(0, high), self._rng.randint(0, high)

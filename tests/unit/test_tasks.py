@@ -55,3 +55,12 @@ def test_bad_task_settings():
         ArithmeticTask(num_digits=0)
     with pytest.raises(ValueError, match=re.escape("task.modulo must be ≥ 2 or null, got 1")):
         ArithmeticTask(modulo=1)
+    with pytest.raises(ValueError, match=re.escape(
+            "task.max_operand must be in [1, 9] for num_digits=1, got 10")):
+        ArithmeticTask(max_operand=10)
+
+
+def test_max_operand_bounds_operands():
+    for problem in ArithmeticTask(seed=1, max_operand=4).sample(100):
+        a, b = map(int, problem.prompt.rstrip("=").split("+"))
+        assert 0 <= a <= 4 and 0 <= b <= 4 and problem.answer == str(a + b)

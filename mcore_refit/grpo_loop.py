@@ -1,0 +1,211 @@
+"""The GRPO loop on the trainer ranks: generate → score → train → refit, every step.
+
+    rollouts = ColocatedRollouts(...) or DedicatedRollouts(...)
+    summary = run_grpo(config, policy=policy, rollouts=rollouts, ...)
+
+Every function here is a collective over the trainer ranks (call on every one, same order).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mcore_refit.grpo import GRPOLoss, group_advantages, logprob_mult_err
+from mcore_refit.grpo_config import GRPOJobConfig, TaskConfig
+from mcore_refit.policy.worker import Policy
+from mcore_refit.rollout import build_rollout_batch, with_fields
+from mcore_refit.tasks import ArithmeticTask, ExactMatchReward, JsonlTask, Task, score
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+
+
+def build_task(config: TaskConfig, *, seed: int) -> Task:
+    if config.kind == "jsonl":
+        return JsonlTask(path=config.path, seed=seed)
+    return ArithmeticTask(seed=seed, num_digits=config.num_digits, operation=config.operation,
+                          modulo=config.modulo, max_operand=config.max_operand)
+
+
+@dataclass
+class RunHistory:
+    """Per-step figures the summary line is made of."""
+
+    rewards: list[float] = field(default_factory=list)
+    refit_s: list[float] = field(default_factory=list)
+    logprob_mult_err: list[float] = field(default_factory=list)
+
+
+def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: int,
+             device: torch.device, is_logging_rank: bool, resume: bool) -> dict:
+    """Train ``config.run.steps`` GRPO steps; returns the summary (same on every trainer rank).
+
+    ``rollouts`` is a :class:`~mcore_refit.generation.ColocatedRollouts` or
+    :class:`~mcore_refit.generation.DedicatedRollouts`.
+    """
+    output_dir = Path(config.run.output_dir)
+    start_step = _resume(policy, output_dir) if resume else 0
+    task = build_task(config.task, seed=config.run.seed)
+    task.sample(start_step * config.grpo.prompts_per_step)  # replay the sampler to this step
+    loss_fn = GRPOLoss(clip_low=config.grpo.clip_low, clip_high=config.grpo.clip_high,
+                       kl_coef=config.grpo.kl_coef)
+    reward_fn = ExactMatchReward()
+    logger_ = MetricsLogger(output_dir, enabled=is_logging_rank,
+                            tensorboard=config.run.tensorboard)
+    history = RunHistory()
+
+    first_refit = rollouts.refit(weight_version=start_step, verify=config.run.verify_refit)
+    history.refit_s.append(first_refit.get("total_s", 0.0))
+    progress = ProgressBar(config.run.steps, start_step, enabled=is_logging_rank)
+    for step in range(start_step, config.run.steps):
+        started = time.perf_counter()
+        problems = task.sample(config.grpo.prompts_per_step)
+        groups = rollouts.generate([p.prompt for p in problems],
+                                   num_samples=config.grpo.samples_per_prompt,
+                                   sampling=config.inference.sampling)
+        generate_s = time.perf_counter() - started
+        repeated = [p for p in problems for _ in range(config.grpo.samples_per_prompt)]
+        rewards = torch.tensor(score(reward_fn, repeated,
+                                     [c.text for group in groups for c in group]))
+        advantages = group_advantages(rewards, group_size=config.grpo.samples_per_prompt,
+                                      normalize_std=config.grpo.normalize_advantages)
+        rollout = build_rollout_batch(groups, rewards, advantages, pad_token_id=pad_token_id)
+
+        rollouts.release()
+        if config.inference.offload_trainer:
+            policy.onload()
+        old_logprobs = policy.logprobs(rollout.batch).cpu()
+        fields = {"old_logprobs": old_logprobs}
+        if config.grpo.kl_coef > 0:
+            fields["ref_logprobs"] = policy.reference_logprobs(rollout.batch).cpu()
+        mult_err = logprob_mult_err(old_logprobs, rollout.inference_logprobs,
+                                    rollout.response_mask)
+        train_started = time.perf_counter()
+        metrics = policy.train_step(with_fields(rollout.batch, **fields), loss_fn=loss_fn)
+        train_s = time.perf_counter() - train_started
+
+        refit = rollouts.refit(weight_version=step + 1, verify=config.run.verify_refit)
+        if config.inference.offload_trainer:
+            policy.offload()
+        if config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0:
+            save_checkpoint(policy, output_dir, step=step + 1)
+
+        record = {
+            "step": step + 1,
+            "reward_mean": rewards.mean().item(),
+            "logprob_mult_err": mult_err,
+            "loss": metrics.loss,
+            "grad_norm": metrics.grad_norm,
+            "lr": metrics.lr,
+            "tokens": metrics.num_tokens,
+            **{f"loss/{k}": v for k, v in metrics.metrics.items()},
+            "generate_s": generate_s,
+            "train_s": train_s,
+            "refit_s": refit.get("total_s", 0.0),
+            "refit_gbps": refit.get("gbps", 0.0),
+            "step_s": time.perf_counter() - started,
+        }
+        history.rewards.append(record["reward_mean"])
+        history.refit_s.append(record["refit_s"])
+        history.logprob_mult_err.append(mult_err)
+        logger_.log(record)
+        progress.update(record)
+    progress.close()
+    if not config.run.checkpoint_every or config.run.steps % config.run.checkpoint_every:
+        save_checkpoint(policy, output_dir, step=config.run.steps)
+    logger_.close()
+    return {
+        "steps": config.run.steps - start_step,
+        "reward_first": history.rewards[0] if history.rewards else float("nan"),
+        "reward_last": history.rewards[-1] if history.rewards else float("nan"),
+        "refit_s_median": statistics.median(history.refit_s) if history.refit_s else 0.0,
+        "logprob_mult_err_max": max(history.logprob_mult_err, default=float("nan")),
+        "device": device.type,
+        "mode": config.refit.mode,
+    }
+
+
+def save_checkpoint(policy: Policy, output_dir: Path, *, step: int) -> None:
+    """Save the policy under ``output_dir/checkpoints/step_<n>`` and record it as the latest."""
+    path = output_dir / "checkpoints" / f"step_{step:06d}"
+    policy.save_checkpoint(path)
+    if dist.get_rank() == 0:
+        (output_dir / STATE_FILE).write_text(json.dumps({"step": step, "checkpoint": str(path)}))
+    dist.barrier()
+
+
+def _resume(policy: Policy, output_dir: Path) -> int:
+    state_file = output_dir / STATE_FILE
+    if not state_file.exists():
+        raise ValueError(f"--resume: no {STATE_FILE} in {output_dir}; nothing to resume from")
+    state = json.loads(state_file.read_text())
+    policy.load_checkpoint(state["checkpoint"])
+    return int(state["step"])
+
+
+class MetricsLogger:
+    """Metrics to ``metrics.jsonl`` (and TensorBoard when installed), on one rank."""
+
+    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool) -> None:
+        self._enabled = enabled
+        self._file = None
+        self._writer = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (output_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logger.info("tensorboard is not installed; metrics go to metrics.jsonl only")
+            else:
+                self._writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        if not self._enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+class ProgressBar:
+    """A one-line-per-step progress bar on the logging rank (tqdm)."""
+
+    def __init__(self, total: int, initial: int, *, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="grpo", unit="step",
+                             dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                                  mult_err=f"{record['logprob_mult_err']:.4f}",
+                                  refit_s=f"{record['refit_s']:.3f}")
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
