@@ -65,6 +65,10 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
 
     first_refit = rollouts.refit(weight_version=start_step, verify=config.run.verify_refit)
     history.refit_s.append(first_refit.get("total_s", 0.0))
+    # Colocated: the trainer's state waits on the host while the engine generates; it comes
+    # back for training and stays until the refit has read the new weights.
+    if config.inference.offload_trainer:
+        policy.offload()
     progress = ProgressBar(config.run.steps, start_step, enabled=is_logging_rank)
     for step in range(start_step, config.run.steps):
         started = time.perf_counter()
@@ -94,10 +98,11 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
         train_s = time.perf_counter() - train_started
 
         refit = rollouts.refit(weight_version=step + 1, verify=config.run.verify_refit)
+        every = config.run.checkpoint_every
+        if step + 1 == config.run.steps or (every and (step + 1) % every == 0):
+            save_checkpoint(policy, output_dir, step=step + 1)
         if config.inference.offload_trainer:
             policy.offload()
-        if config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0:
-            save_checkpoint(policy, output_dir, step=step + 1)
 
         record = {
             "step": step + 1,
@@ -120,8 +125,6 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
         logger_.log(record)
         progress.update(record)
     progress.close()
-    if not config.run.checkpoint_every or config.run.steps % config.run.checkpoint_every:
-        save_checkpoint(policy, output_dir, step=config.run.steps)
     logger_.close()
     return {
         "steps": config.run.steps - start_step,
