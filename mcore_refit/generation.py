@@ -45,9 +45,11 @@ class ColocatedRollouts:
             timeout_s=config.inference.timeout_s,
         )
         plan = plan_for_source(source, config=config.refit, device=context.device)
-        # On CPU every rank shares the "device": the socket needs a per-rank identity.
+        # A GPU names its socket by its UUID; on CPU every rank shares the "device", so the
+        # socket needs a per-rank identity.
+        cpu_device_id = f"{job_id}-rank{context.rank}" if context.device.type == "cpu" else None
         sender = make_sender(config=config.refit, plan=plan, device=context.device,
-                             cpu_device_id=f"{job_id}-rank{context.rank}")
+                             cpu_device_id=cpu_device_id)
         self.refitter = Refitter(source=source, sender=sender)
         # The engine connects while the trainer prepares: send first, collect the reply after.
         self.engine.submit("init_weight_transfer_engine",
