@@ -104,9 +104,13 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
         if config.inference.offload_trainer:
             policy.offload()
 
+        response = rollout.response_mask > 0
         record = {
             "step": step + 1,
             "reward_mean": rewards.mean().item(),
+            # Mean logprob of the sampled tokens: near 0 means the policy has collapsed onto
+            # single answers (an entropy proxy that costs nothing).
+            "sampled_logprob_mean": rollout.inference_logprobs[response].mean().item(),
             "logprob_mult_err": mult_err,
             "loss": metrics.loss,
             "grad_norm": metrics.grad_norm,

@@ -64,14 +64,18 @@ def read_model_shape(hf_path: str) -> ModelShape:
     )
 
 
-def resolve_layer_spec(requested: str) -> str:
+def resolve_layer_spec(requested: str, parallel: ParallelConfig) -> str:
     """``auto`` becomes ``te`` when transformer-engine imports, ``local`` otherwise."""
     te = compat.te_available()
     if requested == "te" and not te:
         raise ValueError("model.layer_spec='te' needs transformer-engine, which does not import")
-    if requested == "auto":
-        return "te" if te else "local"
-    return requested
+    resolved = ("te" if te else "local") if requested == "auto" else requested
+    if parallel.sequence_parallel and resolved != "te":
+        raise ValueError(
+            "parallel.sequence_parallel=true needs the transformer-engine layer spec; the local "
+            "spec's torch LayerNorm does not support it (set parallel.sequence_parallel: false)"
+        )
+    return resolved
 
 
 @dataclass(eq=False)
@@ -180,7 +184,7 @@ def build_model(model_config: ModelConfig, parallel: ParallelConfig, *,
         num_query_groups=shape.num_query_groups,
     )
     _check_model_parallel_state(parallel, parallel_state)
-    layer_spec = resolve_layer_spec(model_config.layer_spec)
+    layer_spec = resolve_layer_spec(model_config.layer_spec, parallel)
 
     if model_config.load_weights:
         bridge = AutoBridge.from_hf_pretrained(model_config.hf_path)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from mcore_refit.compat import te_available
 from mcore_refit.config import ModelConfig, ParallelConfig, from_dict, load_config
 
 
@@ -99,3 +100,18 @@ def test_valid_layouts():
     assert ParallelConfig(tensor=2, pipeline=2).data_parallel_size(8) == 2
     assert ParallelConfig(pipeline=2, virtual_pipeline=2).num_model_chunks == 2
     assert ParallelConfig().num_model_chunks == 1
+
+
+@pytest.mark.skipif(te_available(), reason="transformer-engine is installed")
+def test_layer_spec_without_transformer_engine():
+    from mcore_refit.model import resolve_layer_spec
+
+    assert resolve_layer_spec("auto", ParallelConfig()) == "local"
+    assert resolve_layer_spec("local", ParallelConfig(tensor=2)) == "local"
+    with pytest.raises(ValueError, match=re.escape(
+            "model.layer_spec='te' needs transformer-engine, which does not import")):
+        resolve_layer_spec("te", ParallelConfig())
+    with pytest.raises(ValueError, match=re.escape(
+            "parallel.sequence_parallel=true needs the transformer-engine layer spec; the local "
+            "spec's torch LayerNorm does not support it (set parallel.sequence_parallel: false)")):
+        resolve_layer_spec("auto", ParallelConfig(tensor=2, sequence_parallel=True))
