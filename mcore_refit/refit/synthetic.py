@@ -40,20 +40,12 @@ def llama_specs(*, num_layers: int, hidden: int, intermediate: int, num_heads: i
     specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype)]
     for layer in range(num_layers):
         p = f"model.layers.{layer}"
-        specs += [
-            TensorSpec(f"{p}.input_layernorm.weight", (hidden,), dtype),
-            TensorSpec(f"{p}.self_attn.q_proj.weight", (num_heads * head_dim, hidden), dtype),
-            TensorSpec(f"{p}.self_attn.k_proj.weight", (num_kv_heads * head_dim, hidden), dtype),
-            TensorSpec(f"{p}.self_attn.v_proj.weight", (num_kv_heads * head_dim, hidden), dtype),
-            TensorSpec(f"{p}.self_attn.o_proj.weight", (hidden, num_heads * head_dim), dtype),
-            TensorSpec(f"{p}.post_attention_layernorm.weight", (hidden,), dtype),
-            TensorSpec(f"{p}.mlp.gate_proj.weight", (intermediate, hidden), dtype),
-            TensorSpec(f"{p}.mlp.up_proj.weight", (intermediate, hidden), dtype),
-            TensorSpec(f"{p}.mlp.down_proj.weight", (hidden, intermediate), dtype),
-        ]
-    specs += [TensorSpec("model.norm.weight", (hidden,), dtype),
-              TensorSpec("lm_head.weight", (vocab, hidden), dtype)]
-    return specs
+        specs += [TensorSpec(f"{p}.input_layernorm.weight", (hidden,), dtype)]
+        specs += _attention_specs(p, hidden=hidden, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+        specs += [TensorSpec(f"{p}.post_attention_layernorm.weight", (hidden,), dtype)]
+        specs += _mlp_specs(f"{p}.mlp", hidden=hidden, intermediate=intermediate, dtype=dtype)
+    return specs + _head_specs(hidden=hidden, vocab=vocab, dtype=dtype)
 
 
 def qwen3_moe_specs(*, num_layers: int, hidden: int, num_experts: int, expert_hidden: int,
@@ -63,27 +55,44 @@ def qwen3_moe_specs(*, num_layers: int, hidden: int, num_experts: int, expert_hi
     specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype)]
     for layer in range(num_layers):
         p = f"model.layers.{layer}"
+        specs += [TensorSpec(f"{p}.input_layernorm.weight", (hidden,), dtype)]
+        specs += _attention_specs(p, hidden=hidden, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         specs += [
-            TensorSpec(f"{p}.input_layernorm.weight", (hidden,), dtype),
-            TensorSpec(f"{p}.self_attn.q_proj.weight", (num_heads * head_dim, hidden), dtype),
-            TensorSpec(f"{p}.self_attn.k_proj.weight", (num_kv_heads * head_dim, hidden), dtype),
-            TensorSpec(f"{p}.self_attn.v_proj.weight", (num_kv_heads * head_dim, hidden), dtype),
-            TensorSpec(f"{p}.self_attn.o_proj.weight", (hidden, num_heads * head_dim), dtype),
             TensorSpec(f"{p}.self_attn.q_norm.weight", (head_dim,), dtype),
             TensorSpec(f"{p}.self_attn.k_norm.weight", (head_dim,), dtype),
             TensorSpec(f"{p}.post_attention_layernorm.weight", (hidden,), dtype),
             TensorSpec(f"{p}.mlp.gate.weight", (num_experts, hidden), dtype),
         ]
         for expert in range(num_experts):
-            e = f"{p}.mlp.experts.{expert}"
-            specs += [
-                TensorSpec(f"{e}.gate_proj.weight", (expert_hidden, hidden), dtype),
-                TensorSpec(f"{e}.up_proj.weight", (expert_hidden, hidden), dtype),
-                TensorSpec(f"{e}.down_proj.weight", (hidden, expert_hidden), dtype),
-            ]
-    specs += [TensorSpec("model.norm.weight", (hidden,), dtype),
-              TensorSpec("lm_head.weight", (vocab, hidden), dtype)]
-    return specs
+            specs += _mlp_specs(f"{p}.mlp.experts.{expert}", hidden=hidden,
+                                intermediate=expert_hidden, dtype=dtype)
+    return specs + _head_specs(hidden=hidden, vocab=vocab, dtype=dtype)
+
+
+def _attention_specs(prefix: str, *, hidden: int, num_heads: int, num_kv_heads: int,
+                     head_dim: int, dtype: torch.dtype) -> list[TensorSpec]:
+    a = f"{prefix}.self_attn"
+    return [
+        TensorSpec(f"{a}.q_proj.weight", (num_heads * head_dim, hidden), dtype),
+        TensorSpec(f"{a}.k_proj.weight", (num_kv_heads * head_dim, hidden), dtype),
+        TensorSpec(f"{a}.v_proj.weight", (num_kv_heads * head_dim, hidden), dtype),
+        TensorSpec(f"{a}.o_proj.weight", (hidden, num_heads * head_dim), dtype),
+    ]
+
+
+def _mlp_specs(prefix: str, *, hidden: int, intermediate: int,
+               dtype: torch.dtype) -> list[TensorSpec]:
+    return [
+        TensorSpec(f"{prefix}.gate_proj.weight", (intermediate, hidden), dtype),
+        TensorSpec(f"{prefix}.up_proj.weight", (intermediate, hidden), dtype),
+        TensorSpec(f"{prefix}.down_proj.weight", (hidden, intermediate), dtype),
+    ]
+
+
+def _head_specs(*, hidden: int, vocab: int, dtype: torch.dtype) -> list[TensorSpec]:
+    return [TensorSpec("model.norm.weight", (hidden,), dtype),
+            TensorSpec("lm_head.weight", (vocab, hidden), dtype)]
 
 
 def tiny_mixed_specs() -> list[TensorSpec]:

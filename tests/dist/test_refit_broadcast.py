@@ -34,20 +34,13 @@ from mcore_refit.refit import (
     plan_for_source,
 )
 from mcore_refit.refit.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
+from tests.launch import free_port
+from tests.tensors import bits
 
 CPU = torch.device("cpu")
 # The process group's own timeout: far above the refit timeouts, so those are what fire.
 GROUP_TIMEOUT_S = 60
 
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(scenario, rank: int, world: int, port: int, out_dir: str, args: tuple,

@@ -36,13 +36,11 @@ from mcore_refit.refit import (
 from mcore_refit.refit.ipc_memory import private_runtime_dir
 from mcore_refit.refit.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from mcore_refit.refit.wire import Message, decode, encode
+from tests.tensors import bits
 
 CPU = torch.device("cpu")
 SEED = 11
 
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _bump(source) -> None:

@@ -34,6 +34,7 @@ from mcore_refit.refit import (
 )
 from mcore_refit.refit.source import TensorSpec
 from mcore_refit.refit.synthetic import SyntheticWeightSource, tiny_mixed_specs
+from tests.tensors import bits
 
 pytestmark = [pytest.mark.gpu]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -70,9 +71,6 @@ def counters(device: torch.device) -> dict[str, int]:
 def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {key: after[key] - before[key] for key in COUNTERS}
 
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 # --- non-colocated: two spawned NCCL ranks --------------------------------------------------

@@ -14,12 +14,10 @@ from mcore_refit.refit.checksum import TensorDigester, buffer_checksum, mismatch
 from mcore_refit.refit.plan import build_plan
 from mcore_refit.refit.source import TensorSpec
 from mcore_refit.refit.synthetic import SyntheticWeightSource, tiny_mixed_specs
+from tests.tensors import bits
 
 CPU = torch.device("cpu")
 
-
-def bits(tensor):
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def mixed_named_tensors():
