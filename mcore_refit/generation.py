@@ -61,11 +61,13 @@ class ColocatedRollouts:
                  sampling: SamplingConfig) -> list[list[Completion]]:
         """Completions for every prompt on every trainer rank; each rank samples its share."""
         rank, world = self._context.rank, self._context.world_size
-        local = self.engine.call("generate", prompts=list(prompts[rank::world]),
-                                 num_samples=num_samples, sampling=sampling)
-        shards: list[Any] = [None] * world
-        dist.all_gather_object(shards, local)
-        return _interleave(shards, len(prompts))
+        # Every rank learns whether any engine failed, so all raise instead of some waiting.
+        local = _outcome(self.engine.call, "generate", prompts=list(prompts[rank::world]),
+                         num_samples=num_samples, sampling=sampling)
+        outcomes: list[Any] = [None] * world
+        dist.all_gather_object(outcomes, local)
+        return _interleave(_results_or_raise(outcomes, "generate", who="trainer rank"),
+                           len(prompts))
 
     def release(self) -> None:
         if self._config.inference.release_memory:
@@ -114,16 +116,17 @@ class DedicatedRollouts:
 
     def generate(self, prompts: Sequence[str], *, num_samples: int,
                  sampling: SamplingConfig) -> list[list[Completion]]:
-        groups: list[Any] = [None]
+        outcome: list[Any] = [None]
         if self._lead:
             _send_command(self._job.control_group, {
                 "op": "generate", "prompts": list(prompts), "num_samples": num_samples,
                 "sampling": dataclasses.asdict(sampling)})
             replies = _gather_json(self._job.control_group, None)[1:]
-            shards = [_completions_from_reply(reply) for reply in replies]
-            groups[0] = _interleave(shards, len(prompts))
-        dist.broadcast_object_list(groups, src=0)
-        return groups[0]
+            outcome[0] = _outcome(lambda: _interleave(
+                [_completions_from_reply(reply) for reply in replies], len(prompts)))
+        # The other trainer ranks get the completions, or the error to raise with.
+        dist.broadcast_object_list(outcome, src=0)
+        return _results_or_raise(outcome, "generate", who="trainer rank")[0]
 
     def release(self) -> None:
         """Nothing to release: the engines have GPUs of their own."""
@@ -178,6 +181,22 @@ def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
                              num_samples=command["num_samples"],
                              sampling=SamplingConfig(**command["sampling"]))
     return [[_completion_to_json(c) for c in group] for group in groups]
+
+
+def _outcome(action, *args, **kwargs) -> tuple[str, Any]:
+    """``("ok", result)`` or ``("error", message)``: a failure as data that can be shared."""
+    try:
+        return "ok", action(*args, **kwargs)
+    except Exception as error:
+        return "error", f"{type(error).__name__}: {error}"
+
+
+def _results_or_raise(outcomes: Sequence[tuple[str, Any]], what: str, *, who: str) -> list[Any]:
+    failed = [f"{who} {i}: {payload}" for i, (status, payload) in enumerate(outcomes)
+              if status == "error"]
+    if failed:
+        raise RuntimeError(f"{what} failed on " + "; ".join(failed))
+    return [payload for _, payload in outcomes]
 
 
 def _run_reply(action, *args) -> dict:
