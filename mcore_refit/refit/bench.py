@@ -13,6 +13,11 @@ Modes, each measured in the same run so ratios compare like with like:
 
 Every mode runs ``num_warmup`` untimed and ``num_refits`` timed refits, then (with ``verify``) one
 verified refit that compares the engine's weights with the source's, bit for bit.
+
+Placement (:func:`check_layout`): colocated, one rank and an engine process on its device;
+non-colocated, ``bench.num_trainer_ranks`` trainer ranks and the rest inference ranks, joined
+by a refit group of trainer rank 0 (the sender) and the inference ranks. Trainer ranks other
+than the sender read the Megatron export in step with it (:func:`drain_non_colocated`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from mcore_refit.refit.checksum import TensorDigester, verify_engine_weights
+from mcore_refit.config import ParallelConfig
+from mcore_refit.refit.bench_groups import BenchGroup, FullPassSource, TrainerLockstep
+from mcore_refit.refit.checksum import DigestRecorder, verify_engine_weights
 from mcore_refit.refit.config import RefitConfig
 from mcore_refit.refit.engines import TensorDictEngine
 from mcore_refit.refit.plan import RefitPlan, build_plan
@@ -65,13 +72,18 @@ class BenchConfig:
     verify: bool = True
     # Also append the JSON lines to this file.
     output: str | None = None
+    # Non-colocated: the first ranks of the launch train, the others serve inference. One for a
+    # synthetic set; for the Megatron source a multiple of megatron.parallel's tensor ×
+    # pipeline (data parallelism takes the rest). Trainer rank 0 sends; the other trainer ranks
+    # take part in the export and send nothing.
+    num_trainer_ranks: int = 1
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"bench.modes must be distinct entries of {', '.join(MODES)}; "
                              f"got {self.modes}")
-        for key in ("num_refits", "raw_link_bytes"):
+        for key in ("num_refits", "raw_link_bytes", "num_trainer_ranks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"bench.{key} must be an integer ≥ 1, got {value!r}")
@@ -82,6 +94,63 @@ class BenchConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchLayout:
+    """Where a benchmark's ranks sit: trainer ranks first, then inference ranks."""
+
+    placement: str
+    num_trainer_ranks: int
+    num_inference_ranks: int
+    # The Megatron source's layout (None for synthetic sets).
+    parallel: ParallelConfig | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        layout: dict[str, Any] = {"trainer_ranks": self.num_trainer_ranks,
+                                  "inference_ranks": self.num_inference_ranks}
+        if self.parallel is not None:
+            layout.update(tp=self.parallel.tensor, pp=self.parallel.pipeline,
+                          vpp=self.parallel.virtual_pipeline,
+                          dp=self.parallel.data_parallel_size(self.num_trainer_ranks))
+        return layout
+
+
+def check_layout(*, placement: str, world_size: int, bench: BenchConfig,
+                 parallel: ParallelConfig) -> BenchLayout:
+    """The layout of a launch of ``world_size`` ranks; ``ValueError`` naming the key otherwise.
+
+    Colocated: one rank, which trains (TP1×PP1) and spawns its engine. Non-colocated: the first
+    ``bench.num_trainer_ranks`` ranks train, every other rank receives. ``parallel`` is the
+    Megatron source's layout (``megatron.parallel``; ignored for synthetic sets).
+    """
+    megatron = bench.source == "megatron"
+    trainers = bench.num_trainer_ranks
+    if placement == "colocated":
+        if world_size != 1 or trainers != 1:
+            raise ValueError(f"refit.mode=colocated runs one rank (bench.num_trainer_ranks=1), "
+                             f"got {world_size} ranks and bench.num_trainer_ranks={trainers}")
+        if megatron and parallel.model_parallel_size != 1:
+            raise ValueError(f"refit.mode=colocated builds the Megatron source on its one rank: "
+                             f"megatron.parallel must be tensor=1, pipeline=1, got "
+                             f"tensor={parallel.tensor}, pipeline={parallel.pipeline}")
+        return BenchLayout(placement=placement, num_trainer_ranks=1, num_inference_ranks=0,
+                           parallel=parallel if megatron else None)
+    if world_size <= trainers:
+        raise ValueError(f"refit.mode=non_colocated needs an inference rank besides the "
+                         f"bench.num_trainer_ranks={trainers} trainer ranks: launch more than "
+                         f"{trainers} ranks (got {world_size})")
+    if not megatron and trainers != 1:
+        raise ValueError(f"bench.num_trainer_ranks={trainers} needs bench.source=megatron: a "
+                         f"synthetic set ({bench.source}) lives on one trainer rank")
+    if megatron and trainers % parallel.model_parallel_size != 0:
+        raise ValueError(f"bench.num_trainer_ranks={trainers} must be a multiple of "
+                         f"megatron.parallel tensor × pipeline = {parallel.tensor} × "
+                         f"{parallel.pipeline} (the trainer ranks hold the whole model, data "
+                         f"parallelism takes the rest)")
+    return BenchLayout(placement=placement, num_trainer_ranks=trainers,
+                       num_inference_ranks=world_size - trainers,
+                       parallel=parallel if megatron else None)
 
 
 def mode_config(refit: RefitConfig, mode: str) -> RefitConfig:
@@ -230,17 +299,16 @@ def emit(line: dict[str, Any], output: str | None) -> None:
 # --- limits ----------------------------------------------------------------------------------
 
 
-def measure_raw_broadcast(*, group: dist.ProcessGroup | None, src_rank: int,
-                          device: torch.device, bench: BenchConfig) -> ModeResult:
+def measure_raw_broadcast(link: BenchGroup, *, bench: BenchConfig) -> ModeResult:
     """One ``raw_link_bytes`` broadcast per refit, timed on all ranks. Collective."""
-    payload = torch.ones(bench.raw_link_bytes, dtype=torch.uint8, device=device)
+    payload = torch.ones(bench.raw_link_bytes, dtype=torch.uint8, device=link.device)
 
     def once() -> None:
-        dist.broadcast(payload, group_src=src_rank, group=group)
+        link.broadcast(payload, what=f"the raw {bench.raw_link_bytes}-byte broadcast")
 
-    times = _timed_collective(once, group=group, device=device, bench=bench)
+    times = _timed_collective(once, link=link, bench=bench, what="raw_link")
     return ModeResult(mode="raw_link", bytes=bench.raw_link_bytes, refit_s=times,
-                      device=device_name(device))
+                      device=device_name(link.device))
 
 
 def measure_raw_copy(*, device: torch.device, bench: BenchConfig) -> ModeResult:
@@ -277,90 +345,116 @@ def measure_export(source: WeightSource, *, device: torch.device, bench: BenchCo
 
 # --- naive non-colocated ---------------------------------------------------------------------
 
+# One fixed description for every per-tensor broadcast (no string built per tensor).
+NAIVE_BROADCAST = "a per-tensor broadcast of the naive mode"
 
-def naive_broadcast_sender(source: WeightSource, *, group: dist.ProcessGroup | None,
-                           src_rank: int, device: torch.device, bench: BenchConfig,
+
+def naive_broadcast_sender(source: WeightSource, *, link: BenchGroup, bench: BenchConfig,
                            specs: Sequence[TensorSpec]) -> ModeResult:
-    """One broadcast per tensor, straight from the source. Collective with the receivers."""
+    """One broadcast per tensor, straight from the source. Collective with the receivers.
 
-    def once() -> None:
+    Reads the source once per refit (:func:`num_refits_per_mode` passes in all), as trainer
+    ranks that drain the export expect.
+    """
+
+    def once(digests: DigestRecorder | None = None) -> None:
         for _, tensor in source.iter_weights():
-            dist.broadcast(tensor.contiguous(), group_src=src_rank, group=group)
+            tensor = tensor.contiguous()
+            if digests is not None:
+                digests(tensor)
+            link.broadcast_in_order(tensor, what=NAIVE_BROADCAST)
 
-    times = _timed_collective(once, group=group, device=device, bench=bench)
+    times = _timed_collective(once, link=link, bench=bench, what="naive")
     verified = None
     if bench.verify:
-        once()
-        table = TensorDigester(device).table(t for _, t in source.iter_weights())
-        dist.broadcast(table, group_src=src_rank, group=group)
-        verified = _all_ok(True, group=group, device=device)
+        digests = DigestRecorder(link.device)
+        once(digests)
+        link.broadcast(digests.table(len(specs)), what="the sender's weight digests")
+        verified = link.all_ok(True, what="the naive mode's verification")
     return ModeResult(mode="naive", bytes=sum(s.num_bytes for s in specs), refit_s=times,
-                      device=device_name(device), verified=verified, num_tensors=len(specs))
+                      device=device_name(link.device), verified=verified,
+                      num_tensors=len(specs))
 
 
-def naive_broadcast_receiver(engine: TensorDictEngine, *, group: dist.ProcessGroup | None,
-                             src_rank: int, device: torch.device, bench: BenchConfig,
+def naive_broadcast_receiver(engine: TensorDictEngine, *, link: BenchGroup, bench: BenchConfig,
                              specs: Sequence[TensorSpec]) -> None:
     """Receive every tensor into a fresh tensor and load it. Collective with the sender."""
 
     def once() -> None:
         for spec in specs:
-            received = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-            dist.broadcast(received, group_src=src_rank, group=group)
+            received = torch.empty(spec.shape, dtype=spec.dtype, device=link.device)
+            link.broadcast_in_order(received, what=NAIVE_BROADCAST)
             engine.load_weights([(spec.name, received)])
 
-    _timed_collective(once, group=group, device=device, bench=bench)
+    _timed_collective(once, link=link, bench=bench, what="naive")
     if bench.verify:
         once()
-        table = torch.zeros(len(specs), 3, dtype=torch.int64, device=device)
-        dist.broadcast(table, group_src=src_rank, group=group)
+        table = torch.zeros(len(specs), 3, dtype=torch.int64, device=link.device)
+        link.broadcast(table, what="the sender's weight digests")
         failure = verify_engine_weights(engine, [s.name for s in specs], table)
-        _all_ok(failure is None, group=group, device=device)
+        link.all_ok(failure is None, what="the naive mode's verification")
 
 
-def _timed_collective(once: Callable[[], None], *, group: dist.ProcessGroup | None,
-                      device: torch.device, bench: BenchConfig) -> list[float]:
-    """Run ``once`` warm-up + timed times; each time is the slowest rank's (all-reduced)."""
+def num_refits_per_mode(bench: BenchConfig) -> int:
+    """Refits (passes over the source) each exporting mode makes: warm-up, timed, verified."""
+    return bench.num_warmup + bench.num_refits + (1 if bench.verify else 0)
+
+
+def _timed_collective(once: Callable[[], None], *, link: BenchGroup, bench: BenchConfig,
+                      what: str) -> list[float]:
+    """Run ``once`` warm-up + timed times; each time is the slowest rank's."""
     times = []
     for index in range(bench.num_warmup + bench.num_refits):
-        dist.barrier(group=group, device_ids=[device.index] if device.type == "cuda" else None)
-        synchronize(device)
+        link.barrier(what=f"the start of {what} refit {index}")
+        link.synchronize(what=f"the device before {what} refit {index}")
         start = time.perf_counter()
         once()
-        synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        link.synchronize(what=f"{what} refit {index}")
+        elapsed = link.slowest(time.perf_counter() - start,
+                               what=f"the time of {what} refit {index} on every rank")
         if index >= bench.num_warmup:
-            times.append(float(elapsed.item()))
+            times.append(elapsed)
     return times
-
-
-def _all_ok(ok: bool, *, group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item()) == 0
 
 
 # --- transport modes -------------------------------------------------------------------------
 
 
-def run_sender_refits(refit_once: Callable[[bool], RefitTelemetry], *,
-                      bench: BenchConfig) -> tuple[list[RefitTelemetry], bool | None, str | None]:
-    """Warm-up and timed refits, then the verified one; returns (timed, verified, error)."""
+def run_sender_refits(refit_once: Callable[[bool], RefitTelemetry], *, bench: BenchConfig,
+                      lockstep: TrainerLockstep | None = None
+                      ) -> tuple[list[RefitTelemetry], bool | None, str | None]:
+    """Warm-up and timed refits, then the verified one; returns (timed, verified, error).
+
+    A failed refit ends the mode. With ``lockstep`` (a sender whose source is the export of
+    several trainer ranks) every refit's outcome goes to the draining trainer ranks.
+    """
     timed = []
-    try:
-        for index in range(bench.num_warmup + bench.num_refits):
-            telemetry = refit_once(False)
-            if index >= bench.num_warmup:
-                timed.append(telemetry)
-    except RefitError:
-        return timed, False, traceback.format_exc()
-    if not bench.verify:
-        return timed, None, None
-    try:
-        return timed, refit_once(True).verified is True, None
-    except RefitError:
-        return timed, False, traceback.format_exc()
+    total = num_refits_per_mode(bench)
+    verified = None
+    for index in range(total):
+        verify = bench.verify and index == total - 1
+        try:
+            telemetry, error = refit_once(verify), None
+        except RefitError:
+            telemetry, error = None, traceback.format_exc()
+        if lockstep is not None:
+            lockstep.after_refit(failed=error is not None, refit_index=index)
+        if error is not None:
+            return timed, False, error
+        if bench.num_warmup <= index < bench.num_warmup + bench.num_refits:
+            timed.append(telemetry)
+        if verify:
+            verified = telemetry.verified is True
+    return timed, verified, None
+
+
+def drain_refits(refit_once: Callable[[], Any], *, bench: BenchConfig,
+                 lockstep: TrainerLockstep) -> None:
+    """The draining trainer ranks' side of :func:`run_sender_refits` (same refits, in step)."""
+    for index in range(num_refits_per_mode(bench)):
+        refit_once()
+        if lockstep.after_refit(failed=False, refit_index=index):
+            return
 
 
 def run_receiver_refits(receive_once: Callable[[], RefitTelemetry], *,
@@ -402,60 +496,131 @@ def _sum_or_none(values) -> int | None:
 # --- drivers ---------------------------------------------------------------------------------
 
 
-def run_non_colocated(*, source: WeightSource | None, specs: Sequence[TensorSpec],
-                      bench: BenchConfig, refit: RefitConfig, group: dist.ProcessGroup | None,
-                      src_rank: int, device: torch.device) -> list[ModeResult]:
-    """All of ``bench.modes``, sender on group rank ``src_rank`` (holding ``source``), every other
-    rank receiving into a preallocated engine. Collective; results are complete on the sender."""
-    from mcore_refit.refit.broadcast import BroadcastReceiver, BroadcastSender
-    from mcore_refit.refit.refitter import Refitter
+def run_non_colocated_sender(*, source: WeightSource, specs: Sequence[TensorSpec],
+                             bench: BenchConfig, refit: RefitConfig,
+                             group: dist.ProcessGroup | None, src_rank: int, device: torch.device,
+                             lockstep: TrainerLockstep | None = None) -> list[ModeResult]:
+    """All of ``bench.modes``, sent from this process (group rank ``src_rank`` of the refit
+    ``group``) to every other rank of the group; returns the results.
 
-    is_sender = dist.get_rank(group) == src_rank
-    engine = None if is_sender else TensorDictEngine.from_specs(specs, device=device)
+    Collective over ``group`` (with :func:`run_non_colocated_receiver` on the other ranks) and,
+    with ``lockstep``, over the trainer ranks (with :func:`drain_non_colocated` on the others).
+    """
+    link = _bench_group(group, src_rank=src_rank, device=device, refit=refit)
+    if not link.is_sender:
+        raise ValueError(f"src_rank={src_rank} but this process is group rank {link.rank}")
+    full_passes = FullPassSource(source)
     num_bytes = sum(s.num_bytes for s in specs)
     results = []
     for mode in bench.modes:
         if mode == "raw_link":
-            results.append(measure_raw_broadcast(group=group, src_rank=src_rank, device=device,
-                                                 bench=bench))
+            results.append(measure_raw_broadcast(link, bench=bench))
         elif mode == "export_alone":
-            if is_sender:
-                results.append(measure_export(source, device=device, bench=bench,
-                                              num_bytes=num_bytes))
+            results.append(measure_export(source, device=device, bench=bench,
+                                          num_bytes=num_bytes))
         elif mode == "naive":
-            if is_sender:
-                results.append(naive_broadcast_sender(source, group=group, src_rank=src_rank,
-                                                      device=device, bench=bench, specs=specs))
-            else:
-                naive_broadcast_receiver(engine, group=group, src_rank=src_rank, device=device,
-                                         bench=bench, specs=specs)
+            results.append(naive_broadcast_sender(source, link=link, bench=bench, specs=specs))
         else:
-            config = mode_config(refit, mode)
-            if is_sender:
-                plan = plan_for_mode(specs, refit, mode, device=device)
-                mode_source = materialize(source) if mode == "transport_alone" else source
-                sender = BroadcastSender(plan=plan, group=group, src_rank=src_rank,
-                                         device=device, config=config)
-                with Refitter(source=mode_source, sender=sender) as refitter:
-                    refitter.prepare()
-                    timed, verified, error = run_sender_refits(
-                        lambda verify: refitter.refit(verify=verify), bench=bench)
-                del mode_source
-                receivers = _gather_json(None, group=group, src_rank=src_rank)
-                result = transport_result(mode, plan, timed, receivers[0] if receivers else [],
-                                          verified=verified, device=device_name(device))
-                result.error = error
-                results.append(result)
-            else:
-                receiver = BroadcastReceiver(group=group, src_rank=src_rank, device=device,
-                                             config=config)
-                with receiver:
-                    receiver.prepare()
-                    timed, _ = run_receiver_refits(functools.partial(receiver.receive, engine),
-                                                   bench=bench)
-                _gather_json(timed, group=group, src_rank=src_rank)
+            results.append(_send_transport_mode(mode, full_passes, link=link, specs=specs,
+                                                bench=bench, refit=refit, lockstep=lockstep))
         synchronize(device)
     return results
+
+
+def run_non_colocated_receiver(*, specs: Sequence[TensorSpec], bench: BenchConfig,
+                               refit: RefitConfig, group: dist.ProcessGroup | None,
+                               src_rank: int, device: torch.device) -> None:
+    """An inference rank of :func:`run_non_colocated_sender`: receives every mode into a
+    preallocated engine. Collective over ``group``."""
+    from mcore_refit.refit.broadcast import BroadcastReceiver
+
+    link = _bench_group(group, src_rank=src_rank, device=device, refit=refit)
+    engine = TensorDictEngine.from_specs(specs, device=device)
+    for mode in bench.modes:
+        if mode == "raw_link":
+            measure_raw_broadcast(link, bench=bench)
+        elif mode == "naive":
+            naive_broadcast_receiver(engine, link=link, bench=bench, specs=specs)
+        elif mode != "export_alone":
+            receiver = BroadcastReceiver(group=group, src_rank=src_rank, device=device,
+                                         config=mode_config(refit, mode))
+            with receiver:
+                receiver.prepare()
+                timed, _ = run_receiver_refits(functools.partial(receiver.receive, engine),
+                                               bench=bench)
+            link.gather_json(timed, what=f"the receivers' telemetry of mode {mode}")
+        synchronize(device)
+
+
+def drain_non_colocated(*, source: WeightSource, specs: Sequence[TensorSpec],
+                        bench: BenchConfig, refit: RefitConfig, device: torch.device,
+                        lockstep: TrainerLockstep) -> None:
+    """A trainer rank other than the sender: reads the export whenever the sender does.
+
+    The Megatron export is a collective over the trainer ranks, so every pass the sender makes
+    (per mode, per refit) is made here too, in step through ``lockstep``; nothing is sent.
+    """
+    from mcore_refit.refit.refitter import Refitter
+    from mcore_refit.refit.transport import DrainSender
+
+    for mode in bench.modes:
+        if mode == "export_alone":
+            measure_export(source, device=device, bench=bench, num_bytes=0)
+        elif mode == "naive":
+            for _ in range(num_refits_per_mode(bench)):
+                _read_pass(source)
+        elif mode == "transport_alone":
+            _read_pass(source)  # the sender materialises one pass, then sends from memory
+        elif mode != "raw_link":
+            plan = plan_for_mode(specs, refit, mode, device=device)
+            with Refitter(source=source, sender=DrainSender(plan=plan)) as refitter:
+                refitter.prepare()
+                drain_refits(refitter.refit, bench=bench, lockstep=lockstep)
+        synchronize(device)
+
+
+def _send_transport_mode(mode: str, source: FullPassSource, *, link: BenchGroup,
+                         specs: Sequence[TensorSpec], bench: BenchConfig, refit: RefitConfig,
+                         lockstep: TrainerLockstep | None) -> ModeResult:
+    from mcore_refit.refit.broadcast import BroadcastSender
+    from mcore_refit.refit.refitter import Refitter
+
+    device = link.device
+    plan = plan_for_mode(specs, refit, mode, device=device)
+    exports = mode != "transport_alone"
+    mode_source = source if exports else materialize(source)
+    sender = BroadcastSender(plan=plan, group=link.group, src_rank=link.src_rank, device=device,
+                             config=mode_config(refit, mode))
+
+    with Refitter(source=mode_source, sender=sender) as refitter:
+        refitter.prepare()
+
+        def refit_once(verify: bool) -> RefitTelemetry:
+            try:
+                return refitter.refit(verify=verify)
+            finally:
+                if exports:
+                    source.finish_pass()
+
+        timed, verified, error = run_sender_refits(refit_once, bench=bench,
+                                                   lockstep=lockstep if exports else None)
+    del mode_source
+    receivers = link.gather_json(None, what=f"the receivers' telemetry of mode {mode}")
+    result = transport_result(mode, plan, timed, receivers[0] if receivers else [],
+                              verified=verified, device=device_name(device))
+    result.error = error
+    return result
+
+
+def _bench_group(group: dist.ProcessGroup | None, *, src_rank: int, device: torch.device,
+                 refit: RefitConfig) -> BenchGroup:
+    return BenchGroup(group, src_rank=src_rank, device=device, timeout_s=refit.timeout_s,
+                      start_timeout_s=refit.start_timeout_s)
+
+
+def _read_pass(source: WeightSource) -> None:
+    for _ in source.iter_weights():
+        pass
 
 
 def run_colocated(*, source: WeightSource, specs: Sequence[TensorSpec], bench: BenchConfig,
@@ -553,12 +718,3 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
-
-
-def _gather_json(payload: Any, *, group: dist.ProcessGroup | None,
-                 src_rank: int) -> list[Any]:
-    """Every receiver's ``payload`` on the sender (JSON text through an object gather)."""
-    gathered: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, json.dumps(payload), group=group)
-    return [json.loads(text) for rank, text in enumerate(gathered)
-            if rank != src_rank and text is not None]

@@ -78,6 +78,32 @@ def test_bench_from_the_megatron_export_cpu():
     assert target["target"] == 1.15 and target["export_s"] > 0 and target["transport_s"] > 0
 
 
+@pytest.mark.timeout(240)
+def test_bench_megatron_tp2_trainers_to_two_inference_ranks_cpu():
+    """Split job: 2 trainer ranks hold the tiny Llama at TP2 (Megatron sees only them), trainer
+    rank 0 sends, trainer rank 1 drains the export in step, 2 inference ranks receive."""
+    import torch
+
+    from mcore_refit.refit.synthetic import llama_specs
+
+    result = run_torchrun(RECIPE, "--config", str(CONFIG), "bench.source=megatron",
+                          "bench.num_trainer_ranks=2", "megatron.parallel.tensor=2",
+                          nproc=4, timeout_s=230)
+    lines = _lines(result.stdout)
+    summary = _check(lines, source="megatron", placement="non_colocated", modes=ALL_MODES)
+    layout = {"trainer_ranks": 2, "inference_ranks": 2, "tp": 2, "pp": 1, "vpp": None, "dp": 1}
+    assert all(line["layout"] == layout for line in lines)
+    # Full (TP-gathered) HF tensors of the tiny_llama preset, not TP shards.
+    expected = llama_specs(num_layers=4, hidden=64, intermediate=128, num_heads=4,
+                           num_kv_heads=2, head_dim=16, vocab=128, dtype=torch.float32)
+    for line in lines[:-1]:
+        if line["mode"] != "raw_link":
+            assert line["bytes"] == sum(s.num_bytes for s in expected), line
+        if line["mode"] in ("naive", "single_buffer", "engine", "transport_alone"):
+            assert line["num_tensors"] == len(expected) == 39, line
+    assert summary["all_verified"] is True
+
+
 def test_bench_rejects_a_bad_override():
     with pytest.raises(AssertionError, match="bench.modes must be distinct entries of"):
         run_torchrun(RECIPE, "--config", str(CONFIG), "bench.modes=[fast]", nproc=1,
