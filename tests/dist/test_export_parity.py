@@ -19,6 +19,11 @@ EXPECTED_TENSORS = {
     "qwen2_tied_tp2": 50,
     "llama8_pp2_vpp2_bf16": 75,
 }
+# TP2 × PP2 × VPP2: one 4-rank launch.
+EXPECTED_TENSORS_X4 = {
+    "llama8_tp2_pp2_vpp2": 75,
+    "llama8_tp2_pp2_vpp2_bf16": 75,
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,7 @@ def results(tmp_path_factory):
 
 def assert_exact_with_parity(report, scenario):
     """The verifier's report for ``scenario``: bitwise export, loss and grads within tolerance."""
-    assert report["tensors"] == EXPECTED_TENSORS[scenario]
+    assert report["tensors"] == {**EXPECTED_TENSORS, **EXPECTED_TENSORS_X4}[scenario]
     assert report["mismatched"] == []
     assert report["missing"] == []
     assert report["unexpected"] == []
@@ -63,6 +68,33 @@ def test_export_reads_current_parameters(results):
     assert results["fresh"] == {"in_place": [3.0], "tasks_reused": True, "replaced": [5.0],
                                 "tasks_rebuilt": True, "source_specs_match": True,
                                 "source_norm": [5.0]}
+
+
+@pytest.fixture(scope="module")
+def results_x4(tmp_path_factory):
+    """Both dtypes at TP2×PP2×VPP2, and a corrupted TP shard, in one 4-rank launch."""
+    workdir = tmp_path_factory.mktemp("export_parity_x4")
+    out = workdir / "results.json"
+    run_torchrun(SCENARIOS, "--workdir", str(workdir), "--out", str(out),
+                 "--checks", "corrupted", "--corrupt-layout", "llama8_tp2_pp2_vpp2", nproc=4,
+                 timeout_s=400)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("scenario", sorted(EXPECTED_TENSORS_X4))
+def test_tp2_pp2_vpp2_exports_exactly_with_gradient_parity(results_x4, scenario):
+    report = results_x4[scenario]
+    assert (report["tp"], report["pp"], report["vpp"], report["device"]) == (2, 2, 2, "cpu")
+    assert_exact_with_parity(report, scenario)
+
+
+@pytest.mark.timeout(420)
+def test_corrupted_tensor_parallel_shard_is_named(results_x4):
+    """One TP rank's shard of a row-parallel weight, perturbed: the gathered tensor differs."""
+    assert set(results_x4) == {*EXPECTED_TENSORS_X4, "corrupted"}
+    assert results_x4["corrupted"] == {"mismatched": ["model.layers.7.self_attn.o_proj.weight"],
+                                       "missing": [], "unexpected": []}
 
 
 @pytest.fixture(scope="module")

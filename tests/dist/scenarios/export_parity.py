@@ -1,8 +1,10 @@
-"""torchrun --nproc-per-node 2 export_parity.py --workdir DIR --out RESULTS.json
+"""torchrun --nproc-per-node N export_parity.py --workdir DIR --out RESULTS.json
+                 [--only SCENARIO ...] [--checks corrupted fresh] [--corrupt-layout SCENARIO]
 
 Runs the export verifier over several layouts and architectures in one process group, plus two
-negative checks (a corrupted weight is caught; a replaced Parameter is exported fresh). Rank 0
-writes {scenario: result} to --out.
+negative checks (a corrupted weight is caught; a replaced Parameter is exported fresh). Without
+--only, the scenarios run are those whose tensor × pipeline size equals the number of ranks (2:
+TP2, PP2, PP2×VPP2, ...; 4: TP2×PP2×VPP2). Rank 0 writes {scenario: result} to --out.
 """
 
 import argparse
@@ -35,23 +37,39 @@ LAYOUTS = {
     "qwen2_tied_tp2": ("qwen2_tied", ParallelConfig(tensor=2), "float32"),
     "llama8_pp2_vpp2_bf16": ("llama8", ParallelConfig(pipeline=2, virtual_pipeline=2),
                              "bfloat16"),
+    "llama8_tp2_pp2_vpp2": ("llama8", ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2),
+                            "float32"),
+    "llama8_tp2_pp2_vpp2_bf16": ("llama8",
+                                 ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2),
+                                 "bfloat16"),
 }
 
 
-def corrupted_weight_is_caught(path, device):
-    """Perturb the final norm on the last stage: the comparison must name exactly that tensor."""
+def corrupted_weight_is_caught(path, device, parallel: ParallelConfig):
+    """Perturb one weight on the last stage: the comparison must name exactly that tensor.
+
+    Without TP, the final norm; with TP, tensor-parallel rank 1's shard of the last layer's
+    attention output projection (row-parallel: one HF tensor, gathered across TP ranks).
+    """
     from megatron.core import parallel_state
 
     from mcore_refit.model import build_model, hf_reference_state
     from mcore_refit.verify import compare_export
 
-    parallel = ParallelConfig(pipeline=2, virtual_pipeline=2)
     distributed.init_model_parallel(parallel, seed=0)
     try:
         model = build_model(ModelConfig(hf_path=str(path)), parallel, device=device)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            with torch.no_grad():
-                model.unwrapped()[-1].decoder.final_layernorm.weight.add_(1e-3)
+            decoder = model.unwrapped()[-1].decoder
+            if parallel.tensor == 1:
+                target = decoder.final_layernorm.weight
+            elif parallel_state.get_tensor_model_parallel_rank() == 1:
+                target = decoder.layers[-1].self_attention.linear_proj.weight
+            else:
+                target = None
+            if target is not None:
+                with torch.no_grad():
+                    target.add_(1e-3)
         _, mismatched, missing, unexpected = compare_export(model, hf_reference_state(str(path)))
         return {"mismatched": mismatched, "missing": missing, "unexpected": unexpected}
     finally:
@@ -98,11 +116,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--only", nargs="*", default=None, choices=sorted(LAYOUTS))
+    parser.add_argument("--checks", nargs="*", default=["corrupted", "fresh"],
+                        choices=("corrupted", "fresh"))
+    parser.add_argument("--corrupt-layout", default="llama8_pp2_vpp2", choices=sorted(LAYOUTS))
     args = parser.parse_args()
     context = distributed.init_distributed(rank=int(os.environ["RANK"]),
                                            world_size=int(os.environ["WORLD_SIZE"]),
                                            local_rank=int(os.environ["LOCAL_RANK"]))
+    only = args.only if args.only is not None else [
+        name for name, (_, parallel, _) in LAYOUTS.items()
+        if parallel.model_parallel_size == context.world_size]
     from mcore_refit.verify import verify_layout
 
     workdir = Path(args.workdir)
@@ -113,13 +137,18 @@ def main():
     results = {}
     try:
         for scenario, (checkpoint, parallel, dtype) in LAYOUTS.items():
-            if args.only is not None and scenario not in args.only:
+            if scenario not in only:
                 continue
             model_config = ModelConfig(hf_path=str(workdir / checkpoint), dtype=dtype)
             report = verify_layout(model_config, parallel, device=context.device, seed=1234)
             results[scenario] = {**report.as_dict(), "passed": report.passed}
-        results["corrupted"] = corrupted_weight_is_caught(workdir / "llama8", context.device)
-        results["fresh"] = export_reads_current_parameters(workdir / "llama8", context.device)
+        if "corrupted" in args.checks:
+            checkpoint, parallel, _ = LAYOUTS[args.corrupt_layout]
+            results["corrupted"] = corrupted_weight_is_caught(workdir / checkpoint,
+                                                              context.device, parallel)
+        if "fresh" in args.checks:
+            results["fresh"] = export_reads_current_parameters(workdir / "llama8",
+                                                               context.device)
     finally:
         distributed.shutdown()
     if context.rank == 0:

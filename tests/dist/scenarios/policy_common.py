@@ -23,6 +23,7 @@ LAYOUTS = {
     "pp2": (ParallelConfig(pipeline=2), 2),
     "pp2_vpp2": (ParallelConfig(pipeline=2, virtual_pipeline=2), 2),
     "tp2": (ParallelConfig(tensor=2), 2),
+    "tp2_pp2_vpp2": (ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2), 4),
 }
 
 
