@@ -237,20 +237,25 @@ def failures(rank: int) -> dict:
     return out
 
 
+def _timed_failing_refit(specs, config: RefitConfig) -> dict:
+    """Sender side of the receiver-failure scenarios: one refit's outcome and its duration."""
+    source = SyntheticWeightSource(specs, device=CPU, seed=2)
+    plan = plan_for_source(source, config=config, device=CPU)
+    with Refitter(source=source,
+                  sender=make_sender(config=config, plan=plan, device=CPU)) as refitter:
+        refitter.prepare()
+        started = time.monotonic()
+        result = _attempt(lambda: refitter.refit().total_s)
+        result["elapsed_s"] = time.monotonic() - started
+        return result
+
+
 def dead_receiver(rank: int) -> dict:
     """The receiver's process is SIGKILLed while loading the second buffer."""
     specs = tiny_mixed_specs()
     config = _config(timeout_s=5.0)
     if rank == 0:
-        source = SyntheticWeightSource(specs, device=CPU, seed=2)
-        plan = plan_for_source(source, config=config, device=CPU)
-        with Refitter(source=source,
-                      sender=make_sender(config=config, plan=plan, device=CPU)) as refitter:
-            refitter.prepare()
-            started = time.monotonic()
-            result = _attempt(lambda: refitter.refit().total_s)
-            result["elapsed_s"] = time.monotonic() - started
-            return result
+        return _timed_failing_refit(specs, config)
     targets = TensorDictEngine.from_specs(specs, device=CPU)
     engine = _ExplodingEngine({n: targets.get_weight(n) for n in targets.names},
                               fail_on_call=2, kill=True)
@@ -266,15 +271,7 @@ def absent_receiver(rank: int) -> dict:
     specs = tiny_mixed_specs()
     config = _config(timeout_s=2.0)
     if rank == 0:
-        source = SyntheticWeightSource(specs, device=CPU, seed=2)
-        plan = plan_for_source(source, config=config, device=CPU)
-        with Refitter(source=source,
-                      sender=make_sender(config=config, plan=plan, device=CPU)) as refitter:
-            refitter.prepare()
-            started = time.monotonic()
-            result = _attempt(lambda: refitter.refit().total_s)
-            result["elapsed_s"] = time.monotonic() - started
-            return result
+        return _timed_failing_refit(specs, config)
     engine = TensorDictEngine.from_specs(specs, device=CPU)
     with WeightTransferEndpoint(engine=engine, device=CPU, config=config) as endpoint:
         endpoint.init_weight_transfer_engine(BroadcastInitInfo(src_rank=0))
