@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     local_rank = int(os.environ["LOCAL_RANK"])
     if config.refit.mode == "colocated":
         summary = run_colocated(config, rank=rank, world_size=world_size, local_rank=local_rank,
-                                job_id=os.environ.get("TORCHELASTIC_RUN_ID", "grpo"),
+                                job_id=_job_id(),
                                 resume=args.resume)
     else:
         summary = run_non_colocated(config, rank=rank, world_size=world_size,
@@ -41,6 +41,15 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _job_id() -> str:
+    """Unique among the jobs running on this host (names the CPU engines' sockets).
+
+    A plain ``torchrun`` leaves TORCHELASTIC_RUN_ID at "none"; the rendezvous port tells
+    concurrent jobs apart.
+    """
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'grpo')}-{os.environ['MASTER_PORT']}"
 
 
 def run_colocated(config, *, rank, world_size, local_rank, job_id, resume) -> dict | None:

@@ -1,6 +1,8 @@
-"""The GRPO recipe end to end on CPU: learning, logprob agreement, both modes, resume."""
+"""The GRPO recipe end to end on CPU: learning, logprob agreement, both modes, resume, two jobs on
+one host."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -81,3 +83,17 @@ def test_resume_continues_from_the_last_checkpoint(checkpoint, tmp_path):
     assert last_json_line(resumed.stdout)["steps"] == 2
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 6
+
+
+@pytest.mark.timeout(600)
+def test_two_colocated_jobs_share_a_host(checkpoint, tmp_path):
+    # Plain torchrun names every job "none"; the engines' sockets must still not collide.
+    def launch(name):
+        return run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
+                            f"run.output_dir={tmp_path / name}", "run.steps=1",
+                            "parallel.pipeline=1", "parallel.virtual_pipeline=null",
+                            nproc=1, timeout_s=300)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(launch, ["first", "second"]))
+    assert [last_json_line(result.stdout)["steps"] for result in results] == [1, 1]
