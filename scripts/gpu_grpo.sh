@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# On a 2-GPU node (nvidia-h200-x2), after `source scripts/device_env.sh` (carry .whl): GRPO on the
+# ~0.5B Llama-shaped model.
+#   1. Colocated, one GPU each, two learning rates side by side (GPU 0: LR_A, GPU 1: LR_B).
+#   2. Non-colocated PP2 x VPP2 (3 processes on the 2 GPUs) at the learning rate whose colocated
+#      run ended with the higher mean reward over its last 20 steps.
+#   3. With what is left of the budget: 10 more non-colocated steps with --resume.
+# Results under ${OUT:-.}/grpo: <run>_metrics.jsonl, summaries.jsonl (the recipes' last lines),
+# rc.txt (exit code and seconds per step), errors.txt.
+set -u
+D=${OUT:-.}/grpo; mkdir -p "$D"; export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LR_A=${LR_A:-0.00003} LR_B=${LR_B:-0.0001} STEPS=${STEPS:-150} WARMUP=${WARMUP:-10}
+BUDGET_S=${BUDGET_S:-570}
+MODEL=/tmp/llama-0.5b
+
+step() {  # step NAME LIMIT COMMAND...: output to /tmp/NAME.{out,err}; summary line kept
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET_S - SECONDS)) start=$SECONDS
+  [ "$limit" -le "$left" ] || limit=$left
+  if [ "$limit" -lt 30 ]; then echo "rc=skipped $name (budget spent)" >> "$D/rc.txt"; return; fi
+  timeout "$limit" "$@" > "/tmp/$name.out" 2> "/tmp/$name.err"
+  echo "rc=$? $name $((SECONDS - start))s (limit ${limit}s)" >> "$D/rc.txt"
+  local line; line=$(tail -n 1 "/tmp/$name.out" 2> /dev/null)
+  [ "${line:0:1}" = "{" ] || line='{"error": "no JSON line"}'
+  echo "{\"run\": \"$name\", \"summary\": $line}" >> "$D/summaries.jsonl"
+  { echo "== $name"; grep -E "Error|error:|Timeout" "/tmp/$name.err" \
+      | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 8; } >> "$D/errors.txt"
+}
+
+grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env PORT, RUN_DIR (default NAME)
+  local name=$1 limit=$2 nproc=$3 config=$4 lr=$5; shift 5
+  local dir=${RUN_DIR:-$name}
+  step "$name" "$limit" torchrun --nproc-per-node "$nproc" --master-port "${PORT:-29901}" \
+    recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$dir" \
+    policy.optimizer.lr="$lr" policy.optimizer.lr_warmup_steps="$WARMUP" "$@"
+  cp "runs/$dir/metrics.jsonl" "$D/${dir}_metrics.jsonl" 2> /dev/null
+}
+
+tail_reward() {  # mean reward over the last 20 logged steps of a run (-1 when absent)
+  python3 - "$1" << 'EOF'
+import json, sys
+try:
+    rows = [json.loads(line) for line in open(sys.argv[1])]
+    print(sum(r["reward_mean"] for r in rows[-20:]) / len(rows[-20:]))
+except (OSError, ValueError, ZeroDivisionError):
+    print(-1)
+EOF
+}
+
+# MODEL_ARGS: a smaller model for a dry run on CPU.
+python3 recipes/make_tiny_model.py "$MODEL" \
+  ${MODEL_ARGS:---layers 24 --hidden-size 1536 --heads 12 --kv-heads 4} > /dev/null || exit 1
+
+C=configs/grpo_gpu_colocated.yaml
+PORT=29911 CUDA_VISIBLE_DEVICES=0 grpo colocated_lr_a 260 1 "$C" "$LR_A" &
+PORT=29912 CUDA_VISIBLE_DEVICES=1 grpo colocated_lr_b 260 1 "$C" "$LR_B" &
+wait
+A=$(tail_reward "$D/colocated_lr_a_metrics.jsonl"); B=$(tail_reward "$D/colocated_lr_b_metrics.jsonl")
+LR=$(python3 -c "print('$LR_A' if $A >= $B else '$LR_B')")
+echo "last-20 mean reward: lr $LR_A -> $A, lr $LR_B -> $B; non-colocated at lr $LR" >> "$D/rc.txt"
+
+grpo non_colocated 240 3 configs/grpo_gpu_non_colocated_pp2_vpp2.yaml "$LR"
+PORT=29913 STEPS=$((STEPS + 10)) RUN_DIR=non_colocated grpo non_colocated_resumed 90 3 \
+  configs/grpo_gpu_non_colocated_pp2_vpp2.yaml "$LR" --resume
+cat "$D/rc.txt"; cut -c1-400 "$D/summaries.jsonl"; echo "total ${SECONDS}s"
