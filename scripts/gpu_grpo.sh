@@ -14,19 +14,8 @@ LR_A=${LR_A:-0.00003} LR_B=${LR_B:-0.0001} STEPS=${STEPS:-150} WARMUP=${WARMUP:-
 BUDGET_S=${BUDGET_S:-570}
 MODEL=/tmp/llama-0.5b
 
-step() {  # step NAME LIMIT COMMAND...: output to /tmp/NAME.{out,err}; summary line kept
-  local name=$1 limit=$2; shift 2
-  local left=$((BUDGET_S - SECONDS)) start=$SECONDS
-  [ "$limit" -le "$left" ] || limit=$left
-  if [ "$limit" -lt 30 ]; then echo "rc=skipped $name (budget spent)" >> "$D/rc.txt"; return; fi
-  timeout "$limit" "$@" > "/tmp/$name.out" 2> "/tmp/$name.err"
-  echo "rc=$? $name $((SECONDS - start))s (limit ${limit}s)" >> "$D/rc.txt"
-  local line; line=$(tail -n 1 "/tmp/$name.out" 2> /dev/null)
-  [ "${line:0:1}" = "{" ] || line='{"error": "no JSON line"}'
-  echo "{\"run\": \"$name\", \"summary\": $line}" >> "$D/summaries.jsonl"
-  { echo "== $name"; grep -E "Error|error:|Timeout" "/tmp/$name.err" \
-      | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 8; } >> "$D/errors.txt"
-}
+source "$(dirname "$0")/steps.sh"
+summarize() { echo "{\"run\": \"$1\", \"summary\": $(last_json "$1")}" >> "$D/summaries.jsonl"; }
 
 grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env PORT, RUN_DIR (default NAME)
   local name=$1 limit=$2 nproc=$3 config=$4 lr=$5; shift 5
@@ -34,6 +23,7 @@ grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env PORT, RUN_DIR (def
   step "$name" "$limit" torchrun --nproc-per-node "$nproc" --master-port "${PORT:-29901}" \
     recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$dir" \
     policy.optimizer.lr="$lr" policy.optimizer.lr_warmup_steps="$WARMUP" "$@"
+  summarize "$name"
   cp "runs/$dir/metrics.jsonl" "$D/${dir}_metrics.jsonl" 2> /dev/null
 }
 
@@ -56,7 +46,8 @@ C=configs/grpo_gpu_colocated.yaml
 PORT=29911 CUDA_VISIBLE_DEVICES=0 grpo colocated_lr_a 260 1 "$C" "$LR_A" &
 PORT=29912 CUDA_VISIBLE_DEVICES=1 grpo colocated_lr_b 260 1 "$C" "$LR_B" &
 wait
-A=$(tail_reward "$D/colocated_lr_a_metrics.jsonl"); B=$(tail_reward "$D/colocated_lr_b_metrics.jsonl")
+A=$(tail_reward "$D/colocated_lr_a_metrics.jsonl")
+B=$(tail_reward "$D/colocated_lr_b_metrics.jsonl")
 LR=$(python3 -c "print('$LR_A' if $A >= $B else '$LR_B')")
 echo "last-20 mean reward: lr $LR_A -> $A, lr $LR_B -> $B; non-colocated at lr $LR" >> "$D/rc.txt"
 

@@ -7,33 +7,22 @@
 #       bf16) -> 2 inference ranks, every mode, verified.
 # Every step runs under its own timeout, cut to what is left of a 9-minute budget. Results under
 # ${OUT:-.}/x4: verify_export.jsonl, policy_x4.txt, bench_x4.jsonl, rc.txt (one line per step:
-# exit code, seconds), summaries.txt (tails and errors).
+# exit code, seconds), errors.txt.
 set -u
 D=${OUT:-.}/x4; mkdir -p "$D"; export PYTHONUNBUFFERED=1
 # NVLink multicast stays off (the machine's own settings; repeated for any child environment).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET_S=540; port=29840; M=/tmp/x4_models
 
-step() {  # step NAME LIMIT COMMAND...: output to /tmp/x4_NAME.{out,err}, exit code to rc.txt
-  local name=$1 limit=$2; shift 2
-  local left=$((BUDGET_S - SECONDS)) start=$SECONDS
-  [ "$limit" -le "$left" ] || limit=$left
-  if [ "$limit" -lt 20 ]; then echo "rc=skipped $name (9-minute budget spent)" >> "$D/rc.txt"; return; fi
-  timeout "$limit" "$@" > "/tmp/x4_$name.out" 2> "/tmp/x4_$name.err"
-  echo "rc=$? $name $((SECONDS - start))s (limit ${limit}s)" >> "$D/rc.txt"
-  { echo "== $name"; tail -n 3 "/tmp/x4_$name.out" | cut -c1-600
-    grep -E "Error|error:|Timeout" "/tmp/x4_$name.err" \
-      | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 5; } >> "$D/summaries.txt"
-}
+source "$(dirname "$0")/steps.sh"
 
 verify() {  # verify MODEL DTYPE LIMIT: one JSON line per run in verify_export.jsonl
   local name=verify_$1_$2
   port=$((port + 1))
   step "$name" "$3" torchrun --nproc-per-node 4 --master-port "$port" recipes/verify_export.py \
     --hf-path "$M/$1" --tp 2 --pp 2 --vpp 2 --dtype "$2"
-  local line; line=$(tail -n 1 "/tmp/x4_$name.out" 2> /dev/null)
-  [ "${line:0:1}" = "{" ] || line='{"error": "no JSON line"}'
-  echo "{\"model\": \"$1\", \"dtype\": \"$2\", \"layout\": \"tp2_pp2_vpp2\", \"report\": $line}" \
+  local report; report=$(last_json "$name")
+  echo "{\"model\": \"$1\", \"dtype\": \"$2\", \"layout\": \"tp2_pp2_vpp2\", \"report\": $report}" \
     >> "$D/verify_export.jsonl"
 }
 
@@ -47,7 +36,7 @@ verify tiny bfloat16 55
 
 # (b) policy parity
 step policy_x4 150 python3 -m pytest tests/gpu/test_policy_x4_gpu.py -s -q -p no:cacheprovider
-grep -E "FIGURES|passed|failed|skipped" /tmp/x4_policy_x4.out > "$D/policy_x4.txt" 2> /dev/null
+grep -E "FIGURES|passed|failed|skipped" /tmp/policy_x4.out > "$D/policy_x4.txt" 2> /dev/null
 
 # (c) refit bench: Megatron at TP2 on GPUs 0-1, engines on GPUs 2-3
 port=$((port + 1))

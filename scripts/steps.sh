@@ -1,0 +1,21 @@
+# Sourced by the GPU scripts: `step NAME LIMIT COMMAND...` runs COMMAND under `timeout`, its limit
+# cut to what is left of BUDGET_S (seconds since the script started), with stdout/stderr in
+# /tmp/NAME.{out,err}; appends "rc=<code> NAME <seconds>" to $D/rc.txt and the error lines of its
+# stderr to $D/errors.txt. A step with under 20 s of budget left is skipped (rc=skipped).
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET_S - SECONDS)) start=$SECONDS
+  [ "$limit" -le "$left" ] || limit=$left
+  if [ "$limit" -lt 20 ]; then echo "rc=skipped $name (budget spent)" >> "$D/rc.txt"; return; fi
+  timeout "$limit" "$@" > "/tmp/$name.out" 2> "/tmp/$name.err"
+  echo "rc=$? $name $((SECONDS - start))s (limit ${limit}s)" >> "$D/rc.txt"
+  { echo "== $name"; grep -E "Error|error:|Timeout" "/tmp/$name.err" \
+      | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 8; } >> "$D/errors.txt"
+}
+
+# last_json NAME: the step's last stdout line if it is a JSON object, else an error object.
+last_json() {
+  local line; line=$(tail -n 1 "/tmp/$1.out" 2> /dev/null)
+  [ "${line:0:1}" = "{" ] || line='{"error": "no JSON line"}'
+  echo "$line"
+}
