@@ -75,11 +75,27 @@ class ColocatedRollouts:
             self._released = True
 
     def refit(self, *, weight_version: int, verify: bool) -> dict:
-        """Push the trainer's current weights into this rank's engine."""
-        if self._released:
-            self.engine.call("reacquire_memory")
-            self._released = False
-        self.engine.submit("update_weights", weight_version=weight_version)
+        """Push the trainer's current weights into this rank's engine.
+
+        A failure on any rank (an engine that died, a load error) is raised on every rank, once
+        every rank has finished its part of the export.
+        """
+        local = _outcome(self._refit_own_engine, weight_version=weight_version, verify=verify)
+        outcomes: list[Any] = [None] * self._context.world_size
+        dist.all_gather_object(outcomes, local)
+        return _results_or_raise(outcomes, "refit", who="trainer rank")[self._context.rank]
+
+    def _refit_own_engine(self, *, weight_version: int, verify: bool) -> dict:
+        try:
+            if self._released:
+                self.engine.call("reacquire_memory")
+                self._released = False
+            self.engine.submit("update_weights", weight_version=weight_version)
+        except Exception:
+            # The export is a collective over the trainer ranks: take part though nothing can
+            # be sent, or the other ranks wait in it until the process-group timeout.
+            _drain(self.refitter.source)
+            raise
         try:
             telemetry = self.refitter.refit(verify=verify)
         finally:
@@ -132,14 +148,26 @@ class DedicatedRollouts:
         """Nothing to release: the engines have GPUs of their own."""
 
     def refit(self, *, weight_version: int, verify: bool) -> dict:
-        if not self._lead:
+        """Trainer rank 0 broadcasts the weights to the inference ranks; the other trainer ranks
+        take part in the export. A failure is raised on every trainer rank."""
+        outcome: list[Any] = [("ok", {})]
+        if self._lead:
+            outcome[0] = _outcome(self._refit_inference_ranks, weight_version=weight_version,
+                                  verify=verify)
+        else:
             # The export is a collective over the trainer ranks: take part, send nothing.
-            for _ in self._source.iter_weights():
-                pass
-            return {}
+            _drain(self._source)
+        dist.broadcast_object_list(outcome, src=0)
+        return _results_or_raise(outcome, "refit", who="trainer rank")[0]
+
+    def _refit_inference_ranks(self, *, weight_version: int, verify: bool) -> dict:
         _send_command(self._job.control_group, {"op": "update", "weight_version": weight_version})
-        telemetry = self.refitter.refit(verify=verify)
-        replies = _gather_json(self._job.control_group, None)[1:]
+        try:
+            telemetry = self.refitter.refit(verify=verify)
+        finally:
+            # The inference ranks reply whether or not the refit went through (the broadcast's
+            # finish exchange tells them); collecting the replies keeps the control group in step.
+            replies = _gather_json(self._job.control_group, None)[1:]
         _raise_on_error(replies, "update_weights")
         return telemetry.as_dict()
 
@@ -181,6 +209,11 @@ def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
                              num_samples=command["num_samples"],
                              sampling=SamplingConfig(**command["sampling"]))
     return [[_completion_to_json(c) for c in group] for group in groups]
+
+
+def _drain(source: WeightSource) -> None:
+    for _ in source.iter_weights():
+        pass
 
 
 def _outcome(action, *args, **kwargs) -> tuple[str, Any]:

@@ -56,6 +56,11 @@ class EngineProcess:
         child_conn.close()
         self.wait("start")
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (for monitoring; the engine is a child of this process)."""
+        return self._process.pid
+
     def call(self, command: str, **kwargs: Any) -> Any:
         self.submit(command, **kwargs)
         return self.wait(command)

@@ -12,6 +12,7 @@ from tests.launch import REPO_ROOT, last_json_line, run_torchrun
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
 NON_COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_non_colocated.yaml"
+FAULTS = REPO_ROOT / "tests" / "dist" / "scenarios" / "grpo_faults.py"
 # fp32 on CPU: trainer and engine agree to ~2e-7 per token (measured); a wrong tensor is far off.
 MULT_ERR_BOUND = 1.0001
 
@@ -62,14 +63,29 @@ def test_non_colocated_run_refits_by_broadcast(checkpoint, tmp_path):
         [r["reward_mean"] for r in records[:5]])
 
 
+def run_fault(fault, checkpoint, tmp_path, *overrides):
+    run_torchrun(FAULTS, "--fault", fault, "--config", str(COLOCATED), "--out", str(tmp_path),
+                 f"model.hf_path={checkpoint}", f"run.output_dir={tmp_path / 'run'}",
+                 *overrides, nproc=2, timeout_s=540)
+
+
 @pytest.mark.timeout(600)
 def test_corrupted_refit_breaks_logprob_agreement(checkpoint, tmp_path):
-    out = tmp_path / "summary.json"
-    run_torchrun(REPO_ROOT / "tests" / "dist" / "scenarios" / "grpo_corrupted_refit.py",
-                 "--config", str(COLOCATED), "--out", str(out), f"model.hf_path={checkpoint}",
-                 f"run.output_dir={tmp_path / 'run'}", "run.steps=2", nproc=2, timeout_s=540)
-    summary = json.loads(out.read_text())
+    run_fault("corrupt", checkpoint, tmp_path, "run.steps=2")
+    summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["logprob_mult_err_max"] > 1.01
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_dying_fails_the_refit_on_every_rank(checkpoint, tmp_path):
+    # Rank 1's engine is killed before the second refit; rank 0's refit succeeds. Both ranks
+    # must raise the same error, not leave rank 0 in a collective until the timeout.
+    run_fault("kill_engine", checkpoint, tmp_path, "run.steps=3")
+    raised = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert raised[0] == raised[1], raised
+    assert raised[0].startswith("RuntimeError: refit failed on trainer rank 1: EngineError: "
+                                "the inference engine process is dead"), raised[0]
+    assert "trainer rank 0" not in raised[0]
 
 
 @pytest.mark.timeout(600)
