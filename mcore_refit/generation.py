@@ -26,6 +26,7 @@ from mcore_refit.grpo_config import GRPOJobConfig
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
 from mcore_refit.inference.process import EngineProcess, EngineSpec, receive_weight_update
 from mcore_refit.refit import BroadcastInitInfo, Refitter, WeightTransferEndpoint
+from mcore_refit.refit.plan import RefitPlan
 from mcore_refit.refit.refitter import make_sender, plan_for_source
 from mcore_refit.refit.source import WeightSource
 
@@ -38,17 +39,35 @@ class ColocatedRollouts:
         self._config = config
         self._context = context
         self._released = False
+        self.engine: EngineProcess | None = None
+        self.refitter: Refitter | None = None
+        # Collective over the trainer ranks. A failure on one rank (an engine that does not
+        # start, a device already taken by another trainer) is raised on all of them before any
+        # rank enters the export, where the others would wait until the process-group timeout.
+        try:
+            _on_every_rank(context, "starting the inference engine", self._start_engine)
+            plan = plan_for_source(source, config=config.refit, device=context.device)
+            _on_every_rank(context, "connecting the inference engine", self._connect,
+                           source=source, plan=plan, job_id=job_id)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_engine(self) -> None:
+        config, context = self._config, self._context
         self.engine = EngineProcess(
             EngineSpec(hf_path=config.model.hf_path, device=str(context.device),
                        dtype=config.inference.dtype, seed=config.run.seed + context.rank,
                        refit=config.refit),
             timeout_s=config.inference.timeout_s,
         )
-        plan = plan_for_source(source, config=config.refit, device=context.device)
+
+    def _connect(self, *, source: WeightSource, plan: RefitPlan, job_id: str) -> None:
+        context = self._context
         # A GPU names its socket by its UUID; on CPU every rank shares the "device", so the
         # socket needs a per-rank identity.
         cpu_device_id = f"{job_id}-rank{context.rank}" if context.device.type == "cpu" else None
-        sender = make_sender(config=config.refit, plan=plan, device=context.device,
+        sender = make_sender(config=self._config.refit, plan=plan, device=context.device,
                              cpu_device_id=cpu_device_id)
         self.refitter = Refitter(source=source, sender=sender)
         # The engine connects while the trainer prepares: send first, collect the reply after.
@@ -70,8 +89,9 @@ class ColocatedRollouts:
                            len(prompts))
 
     def release(self) -> None:
+        """Free the engines' weights and KV cache while the trainer trains (if configured)."""
         if self._config.inference.release_memory:
-            self.engine.call("release_memory")
+            _on_every_rank(self._context, "release_memory", self.engine.call, "release_memory")
             self._released = True
 
     def refit(self, *, weight_version: int, verify: bool) -> dict:
@@ -80,10 +100,8 @@ class ColocatedRollouts:
         A failure on any rank (an engine that died, a load error) is raised on every rank, once
         every rank has finished its part of the export.
         """
-        local = _outcome(self._refit_own_engine, weight_version=weight_version, verify=verify)
-        outcomes: list[Any] = [None] * self._context.world_size
-        dist.all_gather_object(outcomes, local)
-        return _results_or_raise(outcomes, "refit", who="trainer rank")[self._context.rank]
+        return _on_every_rank(self._context, "refit", self._refit_own_engine,
+                              weight_version=weight_version, verify=verify)
 
     def _refit_own_engine(self, *, weight_version: int, verify: bool) -> dict:
         try:
@@ -107,9 +125,11 @@ class ColocatedRollouts:
 
     def close(self) -> None:
         try:
-            self.refitter.close()
+            if self.refitter is not None:
+                self.refitter.close()
         finally:
-            self.engine.close()
+            if self.engine is not None:
+                self.engine.close()
 
 
 class DedicatedRollouts:
@@ -214,6 +234,19 @@ def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
 def _drain(source: WeightSource) -> None:
     for _ in source.iter_weights():
         pass
+
+
+def _on_every_rank(context: DistributedContext, what: str, action, *args, **kwargs) -> Any:
+    """``action(*args, **kwargs)`` on this rank; if it failed on any rank, raise on every rank.
+
+    Collective over the default group. Only the failures travel; the result stays local.
+    """
+    status, payload = _outcome(action, *args, **kwargs)
+    errors: list[Any] = [None] * context.world_size
+    dist.all_gather_object(errors, payload if status == "error" else None)
+    _results_or_raise([("ok", None) if error is None else ("error", error) for error in errors],
+                      what, who="trainer rank")
+    return payload
 
 
 def _outcome(action, *args, **kwargs) -> tuple[str, Any]:

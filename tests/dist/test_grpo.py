@@ -81,11 +81,24 @@ def test_an_engine_dying_fails_the_refit_on_every_rank(checkpoint, tmp_path):
     # Rank 1's engine is killed before the second refit; rank 0's refit succeeds. Both ranks
     # must raise the same error, not leave rank 0 in a collective until the timeout.
     run_fault("kill_engine", checkpoint, tmp_path, "run.steps=3")
+    raised = raised_on_both_ranks(tmp_path)
+    assert raised.startswith("RuntimeError: refit failed on trainer rank 1: EngineError: "
+                             "the inference engine process is dead"), raised
+    assert "trainer rank 0" not in raised
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_that_cannot_connect_fails_every_rank_before_the_export(checkpoint, tmp_path):
+    run_fault("fail_connect", checkpoint, tmp_path, "run.steps=1")
+    assert raised_on_both_ranks(tmp_path) == (
+        "RuntimeError: connecting the inference engine failed on trainer rank 0: "
+        "ValueError: injected connect failure")
+
+
+def raised_on_both_ranks(tmp_path) -> str:
     raised = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
     assert raised[0] == raised[1], raised
-    assert raised[0].startswith("RuntimeError: refit failed on trainer rank 1: EngineError: "
-                                "the inference engine process is dead"), raised[0]
-    assert "trainer rank 0" not in raised[0]
+    return raised[0]
 
 
 @pytest.mark.timeout(600)

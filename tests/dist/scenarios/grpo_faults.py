@@ -4,9 +4,11 @@ Runs the colocated GRPO loop with one fault injected:
 
 - ``corrupt``: a weight source that shifts one tensor on its way to the engine; the
   trainer-vs-engine logprob agreement must expose it. Rank 0 writes ``DIR/summary.json``.
-- ``kill_engine``: rank 1's engine process is SIGKILLed before the second refit; every rank must
-  raise the same error naming rank 1 (rather than wait in a collective). Each rank writes the
-  text of what it raised to ``DIR/rank<r>.txt`` and exits with 0.
+- ``kill_engine``: rank 1's engine process is SIGKILLed before the second refit;
+- ``fail_connect``: connecting rank 0's engine raises (as when another trainer holds the device).
+
+For the last two, every rank must raise the same error naming the failed rank, rather than wait
+in a collective. Each rank writes the text of what it raised to ``DIR/rank<r>.txt``.
 """
 
 import argparse
@@ -62,9 +64,32 @@ class EngineKillingRollouts(ColocatedRollouts):
         return super().refit(weight_version=weight_version, verify=verify)
 
 
+class ConnectFailingRollouts(ColocatedRollouts):
+    """Connecting the engine raises on ``victim_rank``."""
+
+    def __init__(self, *, victim_rank: int, **kwargs) -> None:
+        self._victim_rank = victim_rank
+        super().__init__(**kwargs)
+
+    def _connect(self, **kwargs) -> None:
+        if self._context.rank == self._victim_rank:
+            raise ValueError("injected connect failure")
+        super()._connect(**kwargs)
+
+
+def _rollouts(args, *, source, **common) -> ColocatedRollouts:
+    if args.fault == "corrupt":
+        corrupted = CorruptingSource(source, name=args.corrupt, delta=0.05)
+        return ColocatedRollouts(source=corrupted, **common)
+    if args.fault == "kill_engine":
+        return EngineKillingRollouts(source=source, victim_rank=1, weight_version=1, **common)
+    return ConnectFailingRollouts(source=source, victim_rank=0, **common)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["corrupt", "kill_engine"], required=True)
+    parser.add_argument("--fault", choices=["corrupt", "kill_engine", "fail_connect"],
+                        required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--corrupt", default="model.layers.0.mlp.down_proj.weight")
@@ -78,21 +103,16 @@ def main():
     raised = None
     try:
         policy, source, pad_token_id = grpo.build_trainer(config, context.device)
-        common = dict(config=config, context=context, job_id=f"faults-{os.getpid()}")
-        if args.fault == "corrupt":
-            rollouts = ColocatedRollouts(
-                source=CorruptingSource(source, name=args.corrupt, delta=0.05), **common)
-        else:
-            rollouts = EngineKillingRollouts(source=source, victim_rank=1, weight_version=1,
-                                             **common)
+        rollouts = _rollouts(args, config=config, context=context, source=source,
+                             job_id=f"faults-{os.getpid()}")
         try:
             summary = grpo.train(config, policy, rollouts, pad_token_id, context.device, False)
-        except Exception as error:
-            if args.fault != "kill_engine":
-                raise
-            raised = f"{type(error).__name__}: {error}"
         finally:
             rollouts.close()
+    except Exception as error:
+        if args.fault == "corrupt":
+            raise
+        raised = f"{type(error).__name__}: {error}"
     finally:
         distributed.shutdown()
     if raised is not None:
