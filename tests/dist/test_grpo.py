@@ -5,6 +5,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT, last_json_line, run_torchrun
@@ -115,6 +116,7 @@ def test_resume_continues_from_the_last_checkpoint(checkpoint, tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs each trainer owns its device")
 def test_two_colocated_jobs_share_a_host(checkpoint, tmp_path):
     # Plain torchrun names every job "none"; the engines' sockets must still not collide.
     def launch(name):

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On a 2-GPU node (nvidia-h200-x2), after `source scripts/device_env.sh` (carry .whl), nothing else
+# running on the GPUs (colocated trainers own their device):
+#   1. GRPO colocated with 2 trainer ranks (tiny Llama, PP2 x VPP2), one engine per GPU;
+#   2. the colocated failure tests on NCCL (an engine killed before a refit, a failed connect,
+#      a corrupted tensor): every rank must raise the same error, none may wait;
+#   3. GRPO colocated, 1 rank, the ~0.5B config for 20 steps.
+# Results under ${OUT:-.}/colocated: rc.txt, errors.txt, summaries.jsonl, fault_tests.txt.
+set -u
+D=${OUT:-.}/colocated; mkdir -p "$D"; export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+BUDGET_S=${BUDGET_S:-560}
+source "$(dirname "$0")/steps.sh"
+summarize() { echo "{\"run\": \"$1\", \"summary\": $(last_json "$1")}" >> "$D/summaries.jsonl"; }
+
+python3 recipes/make_tiny_model.py /tmp/tiny-llama --layers 8 > /dev/null || exit 1
+python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \
+  --kv-heads 4 > /dev/null || exit 1
+
+step grpo_colocated_2_ranks 150 torchrun --nproc-per-node 2 --master-port 29841 recipes/grpo.py \
+  --config configs/grpo_tiny_cpu_colocated.yaml model.hf_path=/tmp/tiny-llama run.steps=30 \
+  run.output_dir=runs/colocated_2_ranks
+summarize grpo_colocated_2_ranks
+
+step fault_tests 240 python3 -m pytest tests/dist/test_grpo.py -q -p no:cacheprovider \
+  -k "dying or connect or corrupted or two_colocated"
+grep -E "passed|failed|skipped|Error" /tmp/fault_tests.out | tail -n 20 > "$D/fault_tests.txt"
+
+step grpo_colocated_1_rank 150 torchrun --nproc-per-node 1 --master-port 29842 recipes/grpo.py \
+  --config configs/grpo_gpu_colocated.yaml run.steps=20 run.output_dir=runs/colocated_1_rank
+summarize grpo_colocated_1_rank
+cat "$D/rc.txt" "$D/summaries.jsonl" "$D/fault_tests.txt"; echo "total ${SECONDS}s"
