@@ -11,7 +11,6 @@ D=${OUT:-.}/colocated; mkdir -p "$D"; export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/steps.sh"
-summarize() { echo "{\"run\": \"$1\", \"summary\": $(last_json "$1")}" >> "$D/summaries.jsonl"; }
 
 python3 recipes/make_tiny_model.py /tmp/tiny-llama --layers 8 > /dev/null || exit 1
 python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \

@@ -15,7 +15,6 @@ BUDGET_S=${BUDGET_S:-570}
 MODEL=/tmp/llama-0.5b
 
 source "$(dirname "$0")/steps.sh"
-summarize() { echo "{\"run\": \"$1\", \"summary\": $(last_json "$1")}" >> "$D/summaries.jsonl"; }
 
 grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env PORT, RUN_DIR (default NAME)
   local name=$1 limit=$2 nproc=$3 config=$4 lr=$5; shift 5

@@ -19,3 +19,6 @@ last_json() {
   [ "${line:0:1}" = "{" ] || line='{"error": "no JSON line"}'
   echo "$line"
 }
+
+# summarize NAME: append {"run": NAME, "summary": <last_json NAME>} to $D/summaries.jsonl.
+summarize() { echo "{\"run\": \"$1\", \"summary\": $(last_json "$1")}" >> "$D/summaries.jsonl"; }
