@@ -120,3 +120,16 @@ class GRPOJobConfig:
                              f"model.dtype={self.model.dtype}; refits copy tensors as exported")
         if self.grpo.kl_coef > 0 and not self.policy.reference_model:
             raise ValueError("grpo.kl_coef > 0 needs policy.reference_model: true")
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """Timeout for the job's process groups.
+
+        Longer than any bounded wait a rank can be in (an engine reply, a refit buffer) while
+        its peers wait in a collective: the rank that knows what went wrong raises first and
+        shares why, instead of the peers failing on a bare collective timeout. Inference ranks
+        of a non-colocated job also wait this long for trainer rank 0's next command, so a
+        training step must take less (raise ``inference.timeout_s`` for longer steps).
+        """
+        return max(self.refit.start_timeout_s, self.refit.timeout_s,
+                   self.inference.timeout_s) + 60.0

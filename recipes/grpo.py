@@ -57,7 +57,8 @@ def run_colocated(config, *, rank, world_size, local_rank, job_id, resume) -> di
     from mcore_refit.generation import ColocatedRollouts
 
     context = distributed.init_distributed(rank=rank, world_size=world_size,
-                                           local_rank=local_rank)
+                                           local_rank=local_rank,
+                                           timeout_s=config.collective_timeout_s)
     try:
         policy, source, pad_token_id = build_trainer(config, context.device)
         rollouts = ColocatedRollouts(config=config, context=context, source=source,
@@ -77,7 +78,8 @@ def run_non_colocated(config, *, rank, world_size, local_rank, resume, store_hos
 
     job = distributed.init_split_job(rank=rank, world_size=world_size, local_rank=local_rank,
                                      num_inference_ranks=config.inference.num_ranks,
-                                     store_host=store_host, store_port=store_port)
+                                     store_host=store_host, store_port=store_port,
+                                     timeout_s=config.collective_timeout_s)
     try:
         if not job.is_trainer:
             serve_inference(config=config, job=job)

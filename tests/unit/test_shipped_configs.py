@@ -44,3 +44,11 @@ def test_grpo_config_loads(path):
 def test_refit_bench_config_loads(path):
     job = load_config(_refit_bench_job_class(), str(path), [])
     assert job.refit.num_buffers >= 1
+
+
+def test_collective_timeout_outlasts_every_bounded_wait():
+    path = CONFIGS / "grpo_tiny_cpu_colocated.yaml"
+    config = load_config(GRPOJobConfig, str(path), ["refit.timeout_s=30",
+                                                    "refit.start_timeout_s=45",
+                                                    "inference.timeout_s=700"])
+    assert config.collective_timeout_s == 760.0
