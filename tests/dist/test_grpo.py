@@ -96,6 +96,20 @@ def test_an_engine_that_cannot_connect_fails_every_rank_before_the_export(checkp
         "ValueError: injected connect failure")
 
 
+@pytest.mark.timeout(600)
+def test_a_failed_broadcast_refit_fails_every_trainer_rank(checkpoint, tmp_path):
+    # Trainer rank 0's export misnames a tensor in the second refit: the broadcast aborts, both
+    # trainer ranks raise rank 0's error, and the inference rank is stopped cleanly.
+    run_torchrun(FAULTS, "--fault", "misname_refit", "--config", str(NON_COLOCATED),
+                 "--out", str(tmp_path), f"model.hf_path={checkpoint}",
+                 f"run.output_dir={tmp_path / 'run'}", "run.steps=3", "refit.timeout_s=60",
+                 nproc=3, timeout_s=540)
+    raised = raised_on_both_ranks(tmp_path)
+    assert raised.startswith("RuntimeError: refit failed on trainer rank 0: RefitError: "), raised
+    assert "'model.misnamed.weight'" in raised, raised
+    assert not (tmp_path / "rank2.txt").exists()
+
+
 def raised_on_both_ranks(tmp_path) -> str:
     raised = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
     assert raised[0] == raised[1], raised

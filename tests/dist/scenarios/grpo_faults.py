@@ -1,14 +1,20 @@
-"""torchrun --nproc-per-node 2 grpo_faults.py --fault F --config CFG --out DIR [overrides]
+"""torchrun --nproc-per-node N grpo_faults.py --fault F --config CFG --out DIR [overrides]
 
-Runs the colocated GRPO loop with one fault injected:
+Runs the GRPO loop with one fault injected. Colocated (2 ranks):
 
 - ``corrupt``: a weight source that shifts one tensor on its way to the engine; the
   trainer-vs-engine logprob agreement must expose it. Rank 0 writes ``DIR/summary.json``.
 - ``kill_engine``: rank 1's engine process is SIGKILLed before the second refit;
 - ``fail_connect``: connecting rank 0's engine raises (as when another trainer holds the device).
 
-For the last two, every rank must raise the same error naming the failed rank, rather than wait
-in a collective. Each rank writes the text of what it raised to ``DIR/rank<r>.txt``.
+Non-colocated (3 ranks: 2 trainers, 1 inference rank):
+
+- ``misname_refit``: in the second refit, trainer rank 0's export names one tensor wrongly, so
+  the broadcast aborts.
+
+Except for ``corrupt``, every trainer rank must raise the same error naming the failed rank,
+rather than wait in a collective, and the inference ranks must stop cleanly. Each trainer rank
+writes the text of what it raised to ``DIR/rank<r>.txt``.
 """
 
 import argparse
@@ -28,7 +34,11 @@ import grpo  # noqa: E402  (the recipe module: build_trainer, train)
 
 from mcore_refit import distributed  # noqa: E402
 from mcore_refit.config import load_config  # noqa: E402
-from mcore_refit.generation import ColocatedRollouts  # noqa: E402
+from mcore_refit.generation import (  # noqa: E402
+    ColocatedRollouts,
+    DedicatedRollouts,
+    serve_inference,
+)
 from mcore_refit.grpo_config import GRPOJobConfig  # noqa: E402
 
 # Short enough that a rank left waiting in a collective fails the test quickly, long enough for
@@ -77,6 +87,33 @@ class ConnectFailingRollouts(ColocatedRollouts):
         super()._connect(**kwargs)
 
 
+class RenamingSource:
+    """The wrapped source, with its first tensor renamed while ``armed``."""
+
+    def __init__(self, source) -> None:
+        self._source, self.armed = source, False
+
+    def weight_specs(self):
+        return self._source.weight_specs()
+
+    def iter_weights(self):
+        for index, (name, tensor) in enumerate(self._source.iter_weights()):
+            yield ("model.misnamed.weight" if self.armed and index == 0 else name), tensor
+
+
+class MisnamingRollouts(DedicatedRollouts):
+    """Trainer rank 0's export misnames a tensor in the refit to ``weight_version``."""
+
+    def __init__(self, *, source, weight_version: int, **kwargs) -> None:
+        self._renaming = RenamingSource(source)
+        self._weight_version = weight_version
+        super().__init__(source=self._renaming, **kwargs)
+
+    def refit(self, *, weight_version: int, verify: bool) -> dict:
+        self._renaming.armed = self._lead and weight_version == self._weight_version
+        return super().refit(weight_version=weight_version, verify=verify)
+
+
 def _rollouts(args, *, source, **common) -> ColocatedRollouts:
     if args.fault == "corrupt":
         corrupted = CorruptingSource(source, name=args.corrupt, delta=0.05)
@@ -88,17 +125,25 @@ def _rollouts(args, *, source, **common) -> ColocatedRollouts:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["corrupt", "kill_engine", "fail_connect"],
-                        required=True)
+    parser.add_argument("--fault", required=True,
+                        choices=["corrupt", "kill_engine", "fail_connect", "misname_refit"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--corrupt", default="model.layers.0.mlp.down_proj.weight")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     config = load_config(GRPOJobConfig, args.config, args.overrides)
-    context = distributed.init_distributed(rank=int(os.environ["RANK"]),
-                                           world_size=int(os.environ["WORLD_SIZE"]),
-                                           local_rank=int(os.environ["LOCAL_RANK"]),
+    ranks = dict(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                 local_rank=int(os.environ["LOCAL_RANK"]))
+    if args.fault == "misname_refit":
+        run_non_colocated(args, config, **ranks)
+    else:
+        run_colocated(args, config, **ranks)
+
+
+def run_colocated(args, config, *, rank: int, world_size: int, local_rank: int) -> None:
+    context = distributed.init_distributed(rank=rank, world_size=world_size,
+                                           local_rank=local_rank,
                                            timeout_s=COLLECTIVE_TIMEOUT_S)
     raised = None
     try:
@@ -116,9 +161,33 @@ def main():
     finally:
         distributed.shutdown()
     if raised is not None:
-        (args.out / f"rank{context.rank}.txt").write_text(raised)
-    elif context.rank == 0:
+        (args.out / f"rank{rank}.txt").write_text(raised)
+    elif rank == 0:
         (args.out / "summary.json").write_text(json.dumps(summary))
+
+
+def run_non_colocated(args, config, *, rank: int, world_size: int, local_rank: int) -> None:
+    job = distributed.init_split_job(
+        rank=rank, world_size=world_size, local_rank=local_rank,
+        num_inference_ranks=config.inference.num_ranks,
+        store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+        timeout_s=COLLECTIVE_TIMEOUT_S)
+    raised = None
+    try:
+        if not job.is_trainer:
+            serve_inference(config=config, job=job)
+            return
+        policy, source, pad_token_id = grpo.build_trainer(config, job.context.device)
+        rollouts = MisnamingRollouts(config=config, job=job, source=source, weight_version=1)
+        try:
+            grpo.train(config, policy, rollouts, pad_token_id, job.context.device, False)
+        finally:
+            rollouts.close()
+    except Exception as error:
+        raised = f"{type(error).__name__}: {error}"
+    finally:
+        distributed.shutdown()
+    (args.out / f"rank{rank}.txt").write_text(str(raised))
 
 
 if __name__ == "__main__":
