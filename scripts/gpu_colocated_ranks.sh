@@ -2,8 +2,8 @@
 # On a 2-GPU node (nvidia-h200-x2), after `source scripts/device_env.sh` (carry .whl), nothing else
 # running on the GPUs (colocated trainers own their device):
 #   1. GRPO colocated with 2 trainer ranks (tiny Llama, PP2 x VPP2), one engine per GPU;
-#   2. the colocated failure tests on NCCL (an engine killed before a refit, a failed connect,
-#      a corrupted tensor): every rank must raise the same error, none may wait;
+#   2. the GRPO failure tests on NCCL (an engine killed before a refit, a failed connect, a
+#      corrupted tensor, an aborted broadcast refit): every rank must raise the same error;
 #   3. GRPO colocated, 1 rank, the ~0.5B config for 20 steps.
 # Results under ${OUT:-.}/colocated: rc.txt, errors.txt, summaries.jsonl, fault_tests.txt.
 set -u
@@ -22,7 +22,7 @@ step grpo_colocated_2_ranks 150 torchrun --nproc-per-node 2 --master-port 29841 
 summarize grpo_colocated_2_ranks
 
 step fault_tests 240 python3 -m pytest tests/dist/test_grpo.py -q -p no:cacheprovider \
-  -k "dying or connect or corrupted or two_colocated"
+  -k "dying or connect or corrupted or broadcast_refit_fails or two_colocated"
 grep -E "passed|failed|skipped|Error" /tmp/fault_tests.out | tail -n 20 > "$D/fault_tests.txt"
 
 step grpo_colocated_1_rank 150 torchrun --nproc-per-node 1 --master-port 29842 recipes/grpo.py \
