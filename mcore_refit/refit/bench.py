@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.config import ParallelConfig
-from mcore_refit.refit.bench_groups import BenchGroup, FullPassSource, TrainerLockstep
+from mcore_refit.refit.bench_groups import BenchGroup, TrainerLockstep
 from mcore_refit.refit.checksum import DigestRecorder, verify_engine_weights
 from mcore_refit.refit.config import RefitConfig
 from mcore_refit.refit.engines import TensorDictEngine
@@ -509,7 +509,6 @@ def run_non_colocated_sender(*, source: WeightSource, specs: Sequence[TensorSpec
     link = _bench_group(group, src_rank=src_rank, device=device, refit=refit)
     if not link.is_sender:
         raise ValueError(f"src_rank={src_rank} but this process is group rank {link.rank}")
-    full_passes = FullPassSource(source)
     num_bytes = sum(s.num_bytes for s in specs)
     results = []
     for mode in bench.modes:
@@ -521,7 +520,7 @@ def run_non_colocated_sender(*, source: WeightSource, specs: Sequence[TensorSpec
         elif mode == "naive":
             results.append(naive_broadcast_sender(source, link=link, bench=bench, specs=specs))
         else:
-            results.append(_send_transport_mode(mode, full_passes, link=link, specs=specs,
+            results.append(_send_transport_mode(mode, source, link=link, specs=specs,
                                                 bench=bench, refit=refit, lockstep=lockstep))
         synchronize(device)
     return results
@@ -579,7 +578,7 @@ def drain_non_colocated(*, source: WeightSource, specs: Sequence[TensorSpec],
         synchronize(device)
 
 
-def _send_transport_mode(mode: str, source: FullPassSource, *, link: BenchGroup,
+def _send_transport_mode(mode: str, source: WeightSource, *, link: BenchGroup,
                          specs: Sequence[TensorSpec], bench: BenchConfig, refit: RefitConfig,
                          lockstep: TrainerLockstep | None) -> ModeResult:
     from mcore_refit.refit.broadcast import BroadcastSender
@@ -595,14 +594,10 @@ def _send_transport_mode(mode: str, source: FullPassSource, *, link: BenchGroup,
     with Refitter(source=mode_source, sender=sender) as refitter:
         refitter.prepare()
 
-        def refit_once(verify: bool) -> RefitTelemetry:
-            try:
-                return refitter.refit(verify=verify)
-            finally:
-                if exports:
-                    source.finish_pass()
-
-        timed, verified, error = run_sender_refits(refit_once, bench=bench,
+        # A failed refit still reads its pass to the end (the sender drains the source), so the
+        # trainer ranks draining the export in lockstep are never left inside it.
+        timed, verified, error = run_sender_refits(lambda verify: refitter.refit(verify=verify),
+                                                   bench=bench,
                                                    lockstep=lockstep if exports else None)
     del mode_source
     receivers = link.gather_json(None, what=f"the receivers' telemetry of mode {mode}")

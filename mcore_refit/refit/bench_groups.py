@@ -5,9 +5,7 @@
   group (a :class:`~mcore_refit.distributed.SplitJob`'s refit group, unknown to
   ``torch.distributed``'s world) works as well as the default group;
 - :class:`TrainerLockstep`: keeps the trainer ranks that only drain the Megatron export in step
-  with the sender, refit by refit;
-- :class:`FullPassSource`: makes every refit iterate the sender's source to its end, even a refit
-  that failed half-way, so the draining ranks never wait in an export collective alone.
+  with the sender, refit by refit.
 
 Every wait is bounded and names what it waited for.
 """
@@ -15,14 +13,12 @@ Every wait is bounded and names what it waited for.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mcore_refit.refit.group import GroupCollectives
-from mcore_refit.refit.source import TensorSpec, WeightSource
 from mcore_refit.refit.streams import DeviceStreams
 
 
@@ -130,30 +126,3 @@ class TrainerLockstep:
                              what=f"trainer rank 0's outcome of refit {refit_index}")
         return bool(self._flag.item())
 
-
-class FullPassSource:
-    """``source``, with :meth:`finish_pass` running the last started pass to its end.
-
-    The Megatron export is a collective over the trainer ranks: when a refit fails before or
-    while reading it, the sender finishes the pass here so the draining ranks, which always
-    read whole passes, are not left waiting inside the export.
-    """
-
-    def __init__(self, source: WeightSource) -> None:
-        self._source = source
-        self._active: Iterator[tuple[str, torch.Tensor]] | None = None
-        self.stable_tensors = getattr(source, "stable_tensors", False)
-
-    def weight_specs(self) -> list[TensorSpec]:
-        return self._source.weight_specs()
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._active = iter(self._source.iter_weights())
-        return self._active
-
-    def finish_pass(self) -> None:
-        """Read whatever the last pass has left (nothing after a complete pass)."""
-        active, self._active = self._active, None
-        if active is not None:
-            for _ in active:
-                pass

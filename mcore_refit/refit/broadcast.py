@@ -134,23 +134,29 @@ class BroadcastSender(RefitSender):
         start = time.perf_counter()
         pipe.memory.start()
         flags = (FLAG_CHECKSUMS if config.checksums else 0) | (FLAG_VERIFY if verify else 0)
-        self._exchange.start(self.plan, refit_index=refit_index, flags=flags,
-                             timeout_s=config.timeout_s)
         reader = SourceReader(self.plan, weights)
-        digests = DigestRecorder(self._streams.device) if verify else None
-        failure = self._send_buffers(reader, refit_index=refit_index, digests=digests,
-                                     batched=stable_tensors, telemetry=telemetry)
-        if failure is None:
-            extra = reader.extra()
-            if extra is not None:
-                failure = (f"the weight source yielded more than the plan's "
-                           f"{self.plan.num_tensors} tensors (next: {extra!r}); rebuild the "
-                           "plan when the model changes")
-        if failure is not None:
+        try:
+            self._exchange.start(self.plan, refit_index=refit_index, flags=flags,
+                                 timeout_s=config.timeout_s)
+            digests = DigestRecorder(self._streams.device) if verify else None
+            failure = self._send_buffers(reader, refit_index=refit_index, digests=digests,
+                                         batched=stable_tensors, telemetry=telemetry)
+            if failure is None:
+                extra = reader.extra()
+                if extra is not None:
+                    failure = (f"the weight source yielded more than the plan's "
+                               f"{self.plan.num_tensors} tensors (next: {extra!r}); rebuild the "
+                               "plan when the model changes")
+            if failure is not None:
+                reader.drain()
+            if digests is not None:
+                self._send_digests(digests, telemetry=telemetry)
+            self._exchange.finish(failure, refit_index=refit_index, timeout_s=config.timeout_s)
+        except BaseException:
+            # Trainer ranks exporting in lockstep read whole passes: finish ours (a refused
+            # start, a timeout) so they are not left inside an export collective.
             reader.drain()
-        if digests is not None:
-            self._send_digests(digests, telemetry=telemetry)
-        self._exchange.finish(failure, refit_index=refit_index, timeout_s=config.timeout_s)
+            raise
         pipe.sync_all("the sender's streams at the end of the refit")
         telemetry.total_s = time.perf_counter() - start
         telemetry.verified = True if verify else None

@@ -100,6 +100,22 @@ def _bump(source) -> None:
         tensor.add_(1)
 
 
+class _CountingSource:
+    """``source``, counting the tensors refits read from it."""
+
+    def __init__(self, source) -> None:
+        self._source, self.read = source, 0
+        self.stable_tensors = getattr(source, "stable_tensors", False)
+
+    def weight_specs(self):
+        return self._source.weight_specs()
+
+    def iter_weights(self):
+        for item in self._source.iter_weights():
+            self.read += 1
+            yield item
+
+
 def _attempt(action) -> dict:
     try:
         return {"ok": True, "value": action()}
@@ -222,9 +238,11 @@ def failures(rank: int) -> dict:
         started = time.monotonic()
         if rank == 0:
             sender = make_sender(config=config, plan=plan, device=CPU, src_rank=0)
-            with Refitter(source=case.get("source", source), sender=sender) as refitter:
+            counted = _CountingSource(case.get("source", source))
+            with Refitter(source=counted, sender=sender) as refitter:
                 refitter.prepare()
                 out[name] = _attempt(lambda: refitter.refit(verify=True).verified)
+            out[name]["read"] = counted.read
         else:
             with WeightTransferEndpoint(engine=case["engine"], device=CPU, config=config,
                                         plan=case.get("plan")) as endpoint:
@@ -321,6 +339,10 @@ def test_failures_reach_every_rank(tmp_path):
             assert side[case]["ok"] is False and side[case]["type"] == "RefitError", (case, side)
             assert side[case]["elapsed_s"] < 10.0, (case, side[case])
         assert side["healthy_again"]["ok"] is True and side["healthy_again"]["value"] is True
+    # A failed refit still reads its whole pass (trainer ranks export in lockstep), also when the
+    # start was refused before the first tensor.
+    assert {case: sender[case]["read"] for case in sender} == {case: len(tiny_mixed_specs())
+                                                               for case in sender}, sender
     for side in (sender, receiver):
         assert side["plan_mismatch"]["message"].startswith(
             "refit plan mismatch: the ranks hold different plans (group rank 0 (sender): ")

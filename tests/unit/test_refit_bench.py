@@ -1,7 +1,6 @@
 """The refit benchmark's layout checks and its lockstep between sender and draining ranks."""
 
 import pytest
-import torch
 
 from mcore_refit.config import ParallelConfig
 from mcore_refit.refit.bench import (
@@ -11,8 +10,6 @@ from mcore_refit.refit.bench import (
     num_refits_per_mode,
     run_sender_refits,
 )
-from mcore_refit.refit.bench_groups import FullPassSource
-from mcore_refit.refit.synthetic import TensorListSource
 from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transport import RefitError
 
@@ -125,26 +122,3 @@ def test_drains_stop_with_the_sender():
     passes.clear()
     drain_refits(lambda: passes.append(1), bench=bench, lockstep=RecordingLockstep())
     assert len(passes) == num_refits_per_mode(bench) == 5
-
-
-def test_full_pass_source_finishes_an_abandoned_pass():
-    read = []
-
-    class CountingSource(TensorListSource):
-        def iter_weights(self):
-            for name, tensor in super().iter_weights():
-                read.append(name)
-                yield name, tensor
-
-    source = FullPassSource(CountingSource([(f"w{i}", torch.zeros(2)) for i in range(5)]))
-    weights = source.iter_weights()
-    next(weights), next(weights)  # a refit that failed after two tensors
-    source.finish_pass()
-    assert read == [f"w{i}" for i in range(5)]
-    read.clear()
-    source.iter_weights()  # a refit that failed before reading anything
-    source.finish_pass()
-    assert read == [f"w{i}" for i in range(5)]
-    read.clear()
-    source.finish_pass()  # nothing started: nothing read
-    assert read == [] and [s.name for s in source.weight_specs()] == [f"w{i}" for i in range(5)]
