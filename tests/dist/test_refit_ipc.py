@@ -156,14 +156,6 @@ class Trainer:
         self.refitter.close()
 
 
-@pytest.fixture
-def ipc_dir():
-    # Short parent path: Unix socket paths are limited to ~100 characters.
-    path = tempfile.mkdtemp(prefix="rf", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("num_buffers", [1, 2, 3])
 def test_colocated_round_trip_bitwise(ipc_dir, tmp_path, num_buffers):

@@ -115,7 +115,8 @@ def test_bins_for_a_rank_outside_the_group_is_an_error():
 
 
 def test_plan_is_deterministic():
-    lengths = [random.Random(7).randint(1, 50) for _ in range(40)]
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 50) for _ in range(40)]
     first = pack_sequences(lengths, max_tokens_per_bin=120, dp_size=2, bin_count_multiple=4)
     second = pack_sequences(list(lengths), max_tokens_per_bin=120, dp_size=2,
                             bin_count_multiple=4)

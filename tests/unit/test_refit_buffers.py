@@ -35,10 +35,6 @@ def mixed_named_tensors():
     ]
 
 
-def unpack_all(plan, slots, buffer_index):
-    return dict(slots.named_views(buffer_index))
-
-
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("num_slots", [1, 2, 3])
 @pytest.mark.parametrize("buffer_bytes", [1024, 4096])

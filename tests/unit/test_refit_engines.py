@@ -5,7 +5,6 @@ in a thread of this process (shared-memory buffers): the model's parameters and 
 equal those of the trainer-side model afterwards.
 """
 
-import tempfile
 import threading
 
 import pytest
@@ -62,7 +61,7 @@ def _tiny_llama(seed: int):
 
 
 @pytest.mark.timeout(120)
-def test_refit_into_a_hugging_face_model_over_the_colocated_transport():
+def test_refit_into_a_hugging_face_model_over_the_colocated_transport(ipc_dir):
     trained, serving = _tiny_llama(seed=1), _tiny_llama(seed=2)
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -71,7 +70,7 @@ def test_refit_into_a_hugging_face_model_over_the_colocated_transport():
     source = TensorListSource(list(trained.state_dict().items()))
     config = RefitConfig(mode="colocated", buffer_bytes=16384, num_buffers=2, checksums=True,
                          timeout_s=10, start_timeout_s=30,
-                         ipc_dir=tempfile.mkdtemp(prefix="rf", dir="/tmp"))
+                         ipc_dir=ipc_dir)
     plan = plan_for_source(source, config=config, device=CPU)
     sender = make_sender(config=config, plan=plan, device=CPU, cpu_device_id="hf-engine-test")
     engine = HFModelEngine(serving)
