@@ -4,12 +4,13 @@
 #   1. GRPO colocated with 2 trainer ranks (tiny Llama, PP2 x VPP2), one engine per GPU;
 #   2. the GRPO failure tests on NCCL (an engine killed before a refit, a failed connect, a
 #      corrupted tensor, an aborted broadcast refit): every rank must raise the same error;
-#   3. GRPO colocated, 1 rank, the ~0.5B config for 20 steps.
+#   3. the refit GPU tests (NCCL broadcast GPU0 -> GPU1, colocated CUDA IPC);
+#   4. GRPO colocated, 1 rank, the ~0.5B config for 20 steps.
 # Results under ${OUT:-.}/colocated: rc.txt, errors.txt, summaries.jsonl, fault_tests.txt.
 set -u
 D=${OUT:-.}/colocated; mkdir -p "$D"; export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-BUDGET_S=${BUDGET_S:-560}
+BUDGET_S=${BUDGET_S:-580}
 source "$(dirname "$0")/steps.sh"
 
 python3 recipes/make_tiny_model.py /tmp/tiny-llama --layers 8 > /dev/null || exit 1
@@ -24,6 +25,9 @@ summarize grpo_colocated_2_ranks
 step fault_tests 240 python3 -m pytest tests/dist/test_grpo.py -q -p no:cacheprovider \
   -k "dying or connect or corrupted or broadcast_refit_fails or two_colocated"
 grep -E "passed|failed|skipped|Error" /tmp/fault_tests.out | tail -n 20 > "$D/fault_tests.txt"
+
+step refit_gpu_tests 120 python3 -m pytest tests/gpu/test_refit_gpu.py -q -p no:cacheprovider
+grep -E "passed|failed|skipped" /tmp/refit_gpu_tests.out | tail -n 3 >> "$D/fault_tests.txt"
 
 step grpo_colocated_1_rank 150 torchrun --nproc-per-node 1 --master-port 29842 recipes/grpo.py \
   --config configs/grpo_gpu_colocated.yaml run.steps=20 run.output_dir=runs/colocated_1_rank
