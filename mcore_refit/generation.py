@@ -14,6 +14,7 @@ trainer ranks: every trainer rank calls them in the same order and gets the same
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from mcore_refit.inference.process import EngineProcess, EngineSpec, receive_wei
 from mcore_refit.refit import BroadcastInitInfo, Refitter, WeightTransferEndpoint
 from mcore_refit.refit.plan import RefitPlan
 from mcore_refit.refit.refitter import make_sender, plan_for_source
-from mcore_refit.refit.source import WeightSource
+from mcore_refit.refit.source import WeightSource, drain
 
 
 class ColocatedRollouts:
@@ -83,8 +84,7 @@ class ColocatedRollouts:
         # Every rank learns whether any engine failed, so all raise instead of some waiting.
         local = _outcome(self.engine.call, "generate", prompts=list(prompts[rank::world]),
                          num_samples=num_samples, sampling=sampling)
-        outcomes: list[Any] = [None] * world
-        dist.all_gather_object(outcomes, local)
+        outcomes = _all_gather(self._context, local)
         return _interleave(_results_or_raise(outcomes, "generate", who="trainer rank"),
                            len(prompts))
 
@@ -112,16 +112,13 @@ class ColocatedRollouts:
         except Exception:
             # The export is a collective over the trainer ranks: take part though nothing can
             # be sent, or the other ranks wait in it until the process-group timeout.
-            _drain(self.refitter.source)
+            drain(self.refitter.source)
             raise
         try:
             telemetry = self.refitter.refit(verify=verify)
         finally:
             self.engine.wait("update_weights")
         return telemetry.as_dict()
-
-    def engine_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return self.engine.call("get_weights", names=list(names))
 
     def close(self) -> None:
         try:
@@ -152,17 +149,17 @@ class DedicatedRollouts:
 
     def generate(self, prompts: Sequence[str], *, num_samples: int,
                  sampling: SamplingConfig) -> list[list[Completion]]:
-        outcome: list[Any] = [None]
-        if self._lead:
-            _send_command(self._job.control_group, {
-                "op": "generate", "prompts": list(prompts), "num_samples": num_samples,
-                "sampling": dataclasses.asdict(sampling)})
-            replies = _gather_json(self._job.control_group, None)[1:]
-            outcome[0] = _outcome(lambda: _interleave(
-                [_completions_from_reply(reply) for reply in replies], len(prompts)))
-        # The other trainer ranks get the completions, or the error to raise with.
-        dist.broadcast_object_list(outcome, src=0)
-        return _results_or_raise(outcome, "generate", who="trainer rank")[0]
+        return self._from_lead("generate", self._generate_on_inference_ranks, prompts=prompts,
+                               num_samples=num_samples, sampling=sampling)
+
+    def _generate_on_inference_ranks(self, *, prompts: Sequence[str], num_samples: int,
+                                     sampling: SamplingConfig) -> list[list[Completion]]:
+        _send_command(self._job.control_group, {
+            "op": "generate", "prompts": list(prompts), "num_samples": num_samples,
+            "sampling": dataclasses.asdict(sampling)})
+        replies = _gather_json(self._job.control_group, None)[1:]
+        _raise_on_error(replies, "generate")
+        return _interleave([_completions_from_reply(reply) for reply in replies], len(prompts))
 
     def release(self) -> None:
         """Nothing to release: the engines have GPUs of their own."""
@@ -170,15 +167,21 @@ class DedicatedRollouts:
     def refit(self, *, weight_version: int, verify: bool) -> dict:
         """Trainer rank 0 broadcasts the weights to the inference ranks; the other trainer ranks
         take part in the export. A failure is raised on every trainer rank."""
-        outcome: list[Any] = [("ok", {})]
+        # The export is a collective over the trainer ranks: the others take part, send nothing.
+        return self._from_lead("refit", self._refit_inference_ranks,
+                               others=functools.partial(drain, self._source),
+                               weight_version=weight_version, verify=verify)
+
+    def _from_lead(self, what: str, action, *, others=None, **kwargs) -> Any:
+        """``action(**kwargs)`` on trainer rank 0 (``others()`` on the other trainer ranks);
+        every trainer rank returns rank 0's result, or raises its error."""
+        outcome: list[Any] = [None]
         if self._lead:
-            outcome[0] = _outcome(self._refit_inference_ranks, weight_version=weight_version,
-                                  verify=verify)
-        else:
-            # The export is a collective over the trainer ranks: take part, send nothing.
-            _drain(self._source)
+            outcome[0] = _outcome(action, **kwargs)
+        elif others is not None:
+            others()
         dist.broadcast_object_list(outcome, src=0)
-        return _results_or_raise(outcome, "refit", who="trainer rank")[0]
+        return _results_or_raise(outcome, what, who="trainer rank")[0]
 
     def _refit_inference_ranks(self, *, weight_version: int, verify: bool) -> dict:
         _send_command(self._job.control_group, {"op": "update", "weight_version": weight_version})
@@ -231,22 +234,21 @@ def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
     return [[_completion_to_json(c) for c in group] for group in groups]
 
 
-def _drain(source: WeightSource) -> None:
-    for _ in source.iter_weights():
-        pass
-
-
 def _on_every_rank(context: DistributedContext, what: str, action, *args, **kwargs) -> Any:
     """``action(*args, **kwargs)`` on this rank; if it failed on any rank, raise on every rank.
 
     Collective over the default group. Only the failures travel; the result stays local.
     """
     status, payload = _outcome(action, *args, **kwargs)
-    errors: list[Any] = [None] * context.world_size
-    dist.all_gather_object(errors, payload if status == "error" else None)
-    _results_or_raise([("ok", None) if error is None else ("error", error) for error in errors],
-                      what, who="trainer rank")
+    shared = (status, payload if status == "error" else None)
+    _results_or_raise(_all_gather(context, shared), what, who="trainer rank")
     return payload
+
+
+def _all_gather(context: DistributedContext, item: Any) -> list[Any]:
+    items: list[Any] = [None] * context.world_size
+    dist.all_gather_object(items, item)
+    return items
 
 
 def _outcome(action, *args, **kwargs) -> tuple[str, Any]:

@@ -21,7 +21,6 @@ class RolloutBatch:
     """One step's rollouts as a policy batch, plus what the metrics need."""
 
     batch: SequenceBatch
-    rewards: torch.Tensor  # [num_sequences]
     inference_logprobs: torch.Tensor  # [num_sequences, max_len], token-aligned
     response_mask: torch.Tensor  # [num_sequences, max_len]
 
@@ -58,8 +57,8 @@ def build_rollout_batch(groups: Sequence[Sequence[Completion]], rewards: torch.T
         loss_mask=response_mask,
         fields={"advantages": advantages.float(), "inference_logprobs": inference_logprobs},
     )
-    return RolloutBatch(batch=batch, rewards=rewards.float(),
-                        inference_logprobs=inference_logprobs, response_mask=response_mask)
+    return RolloutBatch(batch=batch, inference_logprobs=inference_logprobs,
+                        response_mask=response_mask)
 
 
 def with_fields(batch: SequenceBatch, **fields: torch.Tensor) -> SequenceBatch:

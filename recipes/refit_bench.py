@@ -50,6 +50,7 @@ from mcore_refit.refit.bench_groups import TrainerLockstep
 from mcore_refit.refit.config import RefitConfig
 from mcore_refit.refit.group import GroupCollectives, RefitExchange
 from mcore_refit.refit.plan import build_plan
+from mcore_refit.refit.refitter import plan_for_specs
 from mcore_refit.refit.source import TensorSpec
 from mcore_refit.refit.streams import DeviceStreams
 from mcore_refit.refit.synthetic import SyntheticWeightSource, synthetic_specs
@@ -164,8 +165,7 @@ def run_split_job(job: RefitBenchJob, layout: BenchLayout, *, rank: int, world_s
 def report(job: RefitBenchJob, layout: BenchLayout, outcome: SenderOutcome) -> int:
     """Print (and append to ``bench.output``) a line per mode and the summary; the exit code."""
     refit, device = job.refit, outcome.device
-    plan = build_plan(outcome.specs, buffer_bytes=refit.resolve_buffer_bytes(device),
-                      num_slots=refit.num_buffers, alignment_bytes=refit.alignment_bytes)
+    plan = plan_for_specs(outcome.specs, config=refit, device=device)
     where = {"source": job.bench.source, "placement": refit.mode, "layout": layout.as_dict()}
     for result in outcome.results:
         emit({**where, **result.as_dict()}, job.bench.output)

@@ -83,10 +83,6 @@ class InferenceEngine:
     def get_weight(self, name: str) -> torch.Tensor:
         return self._weights.get_weight(name)
 
-    @property
-    def weight_names(self) -> list[str]:
-        return self._weights.names
-
     def mark_weights_loaded(self) -> None:
         """Declare the weights complete (after a refit that loaded every planned tensor)."""
         self._weights_valid = True

@@ -72,15 +72,14 @@ class EngineProcess:
         self._conn.send((command, kwargs))
         self._pending = command
 
-    def wait(self, command: str, *, timeout_s: float | None = None) -> Any:
+    def wait(self, command: str) -> Any:
         """The reply to the pending ``command``; raises EngineError on failure or timeout."""
         if command != "start" and self._pending != command:
             raise RuntimeError(f"waiting for {command!r} but {self._pending!r} is pending")
-        timeout = timeout_s if timeout_s is not None else self._timeout_s
-        if not self._conn.poll(timeout):
+        if not self._conn.poll(self._timeout_s):
             self._check_alive(command)
             raise EngineError(f"the inference engine did not answer {command!r} within "
-                              f"{timeout:.0f}s")
+                              f"{self._timeout_s:.0f}s")
         try:
             status, payload = self._conn.recv()
         except EOFError:
@@ -189,9 +188,6 @@ class _EngineServer:
 
     def do_reacquire_memory(self) -> None:
         self.engine.reacquire_memory()
-
-    def do_get_weights(self, names) -> dict[str, torch.Tensor]:
-        return {name: self.engine.get_weight(name).cpu().clone() for name in names}
 
     def close(self) -> None:
         self.endpoint.close()

@@ -42,7 +42,8 @@ from mcore_refit.refit.checksum import DigestRecorder, verify_engine_weights
 from mcore_refit.refit.config import RefitConfig
 from mcore_refit.refit.engines import TensorDictEngine
 from mcore_refit.refit.plan import RefitPlan, build_plan
-from mcore_refit.refit.source import TensorSpec, WeightSource
+from mcore_refit.refit.refitter import plan_for_specs
+from mcore_refit.refit.source import TensorSpec, WeightSource, drain
 from mcore_refit.refit.synthetic import TensorListSource
 from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transport import RefitError
@@ -334,8 +335,7 @@ def measure_export(source: WeightSource, *, device: torch.device, bench: BenchCo
     for index in range(bench.num_warmup + bench.num_refits):
         synchronize(device)
         start = time.perf_counter()
-        for _ in source.iter_weights():
-            pass
+        drain(source)
         synchronize(device)
         if index >= bench.num_warmup:
             times.append(time.perf_counter() - start)
@@ -461,9 +461,8 @@ def run_receiver_refits(receive_once: Callable[[], RefitTelemetry], *,
                         bench: BenchConfig) -> tuple[list[dict], str | None]:
     """The receiving side of :func:`run_sender_refits` (same number of refits)."""
     timed = []
-    total = bench.num_warmup + bench.num_refits + (1 if bench.verify else 0)
     try:
-        for index in range(total):
+        for index in range(num_refits_per_mode(bench)):
             telemetry = receive_once()
             if bench.num_warmup <= index < bench.num_warmup + bench.num_refits:
                 timed.append(telemetry.as_dict())
@@ -472,15 +471,9 @@ def run_receiver_refits(receive_once: Callable[[], RefitTelemetry], *,
     return timed, None
 
 
-def engine_for_plan(plan: RefitPlan, *, device: torch.device) -> TensorDictEngine:
-    return TensorDictEngine.from_specs(plan.specs(), device=device)
-
-
 def plan_for_mode(specs: Sequence[TensorSpec], refit: RefitConfig, mode: str, *,
                   device: torch.device) -> RefitPlan:
-    config = mode_config(refit, mode)
-    return build_plan(specs, buffer_bytes=config.resolve_buffer_bytes(device),
-                      num_slots=config.num_buffers, alignment_bytes=config.alignment_bytes)
+    return plan_for_specs(specs, config=mode_config(refit, mode), device=device)
 
 
 def _max_or_none(values) -> int | None:
@@ -567,9 +560,9 @@ def drain_non_colocated(*, source: WeightSource, specs: Sequence[TensorSpec],
             measure_export(source, device=device, bench=bench, num_bytes=0)
         elif mode == "naive":
             for _ in range(num_refits_per_mode(bench)):
-                _read_pass(source)
+                drain(source)
         elif mode == "transport_alone":
-            _read_pass(source)  # the sender materialises one pass, then sends from memory
+            drain(source)  # the sender materialises one pass, then sends from memory
         elif mode != "raw_link":
             plan = plan_for_mode(specs, refit, mode, device=device)
             with Refitter(source=source, sender=DrainSender(plan=plan)) as refitter:
@@ -611,11 +604,6 @@ def _bench_group(group: dist.ProcessGroup | None, *, src_rank: int, device: torc
                  refit: RefitConfig) -> BenchGroup:
     return BenchGroup(group, src_rank=src_rank, device=device, timeout_s=refit.timeout_s,
                       start_timeout_s=refit.start_timeout_s)
-
-
-def _read_pass(source: WeightSource) -> None:
-    for _ in source.iter_weights():
-        pass
 
 
 def run_colocated(*, source: WeightSource, specs: Sequence[TensorSpec], bench: BenchConfig,

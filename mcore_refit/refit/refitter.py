@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from mcore_refit.refit.broadcast import BroadcastSender
 from mcore_refit.refit.config import RefitConfig
 from mcore_refit.refit.ipc import IpcSender
 from mcore_refit.refit.plan import RefitPlan, build_plan
-from mcore_refit.refit.source import WeightSource
+from mcore_refit.refit.source import TensorSpec, WeightSource
 from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transport import RefitSender
 
@@ -34,8 +35,13 @@ def plan_for_source(source: WeightSource, *, config: RefitConfig,
 
     Calls ``source.weight_specs()``, which may be collective: call on every trainer rank.
     """
-    return build_plan(source.weight_specs(),
-                      buffer_bytes=config.resolve_buffer_bytes(torch.device(device)),
+    return plan_for_specs(source.weight_specs(), config=config, device=device)
+
+
+def plan_for_specs(specs: Sequence[TensorSpec], *, config: RefitConfig,
+                   device: torch.device) -> RefitPlan:
+    """The refit plan for ``specs`` under ``config`` (buffer size resolved for ``device``)."""
+    return build_plan(specs, buffer_bytes=config.resolve_buffer_bytes(torch.device(device)),
                       num_slots=config.num_buffers, alignment_bytes=config.alignment_bytes)
 
 

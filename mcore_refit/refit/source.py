@@ -54,6 +54,15 @@ class WeightSource(Protocol):
         ...
 
 
+def drain(source: WeightSource) -> None:
+    """Read one pass of ``source`` to its end and drop every tensor.
+
+    For trainer ranks that take part in a collective export but send nothing.
+    """
+    for _ in source.iter_weights():
+        pass
+
+
 class BridgeWeightSource:
     """The Megatron model's weights in HF format, through Megatron-Bridge's export.
 

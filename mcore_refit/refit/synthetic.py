@@ -139,10 +139,6 @@ class TensorListSource:
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._named
 
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self._named)
-
 
 class SyntheticWeightSource(TensorListSource):
     """Random tensors for ``specs``, generated once on ``device`` and yielded every refit.
