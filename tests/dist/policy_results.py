@@ -66,6 +66,13 @@ def parity_figures(run: dict, reference: dict) -> dict:
     }
 
 
+def assert_within(figures: dict, bounds: dict[str, float]) -> None:
+    """Each figure named in ``bounds`` is at most its bound; the message lists every one over it."""
+    over = {name: (figures[name], bound) for name, bound in bounds.items()
+            if not figures[name] <= bound}  # NaN is over
+    assert not over, f"over bound (figure, bound): {over}; all figures: {figures}"
+
+
 def hf_logprobs(hf_path: Path, tokens: torch.Tensor, lengths: torch.Tensor, *,
                 temperature: float) -> torch.Tensor:
     """Token-aligned logprobs from the Hugging Face model (fp32): the independent reference."""
