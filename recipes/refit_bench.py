@@ -22,7 +22,6 @@ verified refit matched bit for bit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -116,8 +115,14 @@ def main(argv: list[str]) -> int:
 
 def run_colocated_job(job: RefitBenchJob, *, local_rank: int) -> SenderOutcome:
     """One rank: the trainer, with its engine in a spawned process on the same device."""
-    device = _init_distributed(rank=0, world_size=1, local_rank=local_rank,
-                               timeout_s=job.refit.start_timeout_s)
+    from mcore_refit import distributed
+
+    if "MASTER_ADDR" not in os.environ:  # a single process started without torchrun
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # The group's timeout bounds the engine's wait for a refit to start (NCCL's watchdog would
+    # otherwise abort first).
+    device = distributed.init_distributed(rank=0, world_size=1, local_rank=local_rank,
+                                          timeout_s=job.refit.start_timeout_s + 60).device
     try:
         source, specs = _trainer_source(job, device=device)
         results = run_colocated(source=source, specs=specs, bench=job.bench, refit=job.refit,
@@ -175,24 +180,6 @@ def report(job: RefitBenchJob, layout: BenchLayout, outcome: SenderOutcome) -> i
     return 0 if summary["all_verified"] and not any(r.error for r in outcome.results) else 1
 
 
-def _init_distributed(*, rank: int, world_size: int, local_rank: int,
-                      timeout_s: float) -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if "MASTER_ADDR" not in os.environ:  # a single process started without torchrun
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    # The group's timeout bounds the engine's wait for a refit to start (NCCL's watchdog would
-    # otherwise abort first).
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s + 60),
-                            device_id=device if device.type == "cuda" else None)
-    return device
-
-
 def _trainer_source(job: RefitBenchJob, *, device: torch.device):
     """The weight source and its specs; call on every trainer rank (the Megatron source is built
     and exported collectively over them)."""
@@ -204,10 +191,9 @@ def _trainer_source(job: RefitBenchJob, *, device: torch.device):
 
 
 def _megatron_source(config: MegatronSourceConfig, *, device: torch.device):
-    from mcore_refit import compat, distributed
+    from mcore_refit import distributed
     from mcore_refit.config import ModelConfig
 
-    compat.install()
     # Megatron's groups span the default group: the trainer ranks of a split job, or the one
     # rank of a colocated run.
     distributed.init_model_parallel(config.parallel, seed=1234)
