@@ -1,8 +1,12 @@
 """Typed configuration: frozen keyword-only dataclasses and the one loader that builds them.
 
 Every config section is a frozen ``kw_only`` dataclass that validates its own values in
-``__post_init__`` (errors name the key and the value). :func:`from_dict` builds a section (and its
-nested sections) from plain data and rejects unknown keys by their dotted path;
+``__post_init__``. A section does not know where it is nested (``parallel`` or
+``megatron.parallel``), so it raises :class:`ConfigError` with its keys written in backticks,
+relative to itself (```lr` must be positive``); :func:`from_dict`, which knows the path, renders
+them as full dotted keys (``policy.optimizer.lr must be positive``). :func:`from_dict` builds a
+section (and its nested sections) from plain data and rejects unknown keys by their dotted path;
+a section's ``RENAMED_KEYS`` turn an old key into an error naming its new one.
 :func:`load_config` reads YAML and applies ``key.sub=value`` overrides. Recipes compose sections
 into their own top-level dataclass and call :func:`load_config`; nothing else parses YAML.
 """
@@ -10,6 +14,7 @@ into their own top-level dataclass and call :func:`load_config`; nothing else pa
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -19,6 +24,23 @@ from typing import Any, Literal
 import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A bad config value; keys in the message are written in backticks, relative to the section
+    that raised it (```pipeline` must be ≥ 1``). ``str()`` shows them as dotted keys."""
+
+    _KEY = re.compile(r"`([A-Za-z_][A-Za-z0-9_.\[\]]*)`")
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self._KEY.sub(r"\1", template))
+
+    def at(self, path: str) -> ConfigError:
+        """The same error for a section found at ``path`` (its keys prefixed with it)."""
+        if not path:
+            return self
+        return ConfigError(self._KEY.sub(lambda m: f"`{path}.{m.group(1)}`", self.template))
 Dtype = Literal["float32", "bfloat16", "float16"]
 LayerSpec = Literal["auto", "te", "local"]
 
@@ -133,6 +155,9 @@ def from_dict[T](cls: type[T], data: Any, *, path: str = "") -> T:
         raise ValueError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    renamed = getattr(cls, "RENAMED_KEYS", {})
+    for old in sorted(set(data) & set(renamed)):
+        raise ConfigError(f"config key '`{old}`' was renamed '`{renamed[old]}`'").at(path)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = _join(path, str(unknown[0]))
@@ -144,7 +169,12 @@ def from_dict[T](cls: type[T], data: Any, *, path: str = "") -> T:
             kwargs[name] = _convert(hints[name], data[name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ValueError(f"missing required config key '{key}'")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as error:
+        # Errors of nested sections were rendered at their own path while converting kwargs;
+        # only this section's own validation reaches here.
+        raise error.at(path) from None
 
 
 def load_config[T](cls: type[T], path: str | Path | None = None,

@@ -7,20 +7,14 @@ within the configured timeout.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import re
 import signal
-import socket
 import time
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mcore_refit.refit import (
     BroadcastInitInfo,
@@ -34,58 +28,10 @@ from mcore_refit.refit import (
     plan_for_source,
 )
 from mcore_refit.refit.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
-from tests.launch import free_port
+from tests.ranks import run_ranks
 from tests.tensors import bits
 
 CPU = torch.device("cpu")
-# The process group's own timeout: far above the refit timeouts, so those are what fire.
-GROUP_TIMEOUT_S = 60
-
-
-
-def _entry(scenario, rank: int, world: int, port: int, out_dir: str, args: tuple,
-           release) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    try:
-        result = scenario(rank, *args)
-    except BaseException as error:  # reported to the test, which asserts on it
-        result = {"uncaught": f"{type(error).__name__}: {error}",
-                  "traceback": traceback.format_exc()}
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
-    if rank == 0:
-        release.wait(GROUP_TIMEOUT_S)  # rank 0 hosts the rendezvous store: leave last
-    # Skip teardown: after a killed peer or a timeout the group cannot be destroyed cleanly.
-    os._exit(0)
-
-
-def run_ranks(scenario, world: int, tmp_path: Path, *args, timeout_s: float = 60) -> dict:
-    """Run ``scenario(rank, *args)`` on ``world`` spawned gloo ranks; results by rank."""
-    context = mp.get_context("spawn")
-    port = free_port()
-    release = context.Event()
-    processes = [context.Process(target=_entry,
-                                 args=(scenario, rank, world, port, str(tmp_path), args, release))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + timeout_s
-    for process in processes[1:]:
-        process.join(max(0.0, deadline - time.monotonic()))
-    release.set()
-    processes[0].join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(processes) if p.is_alive()]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert not hung, f"ranks {hung} did not finish within {timeout_s}s"
-    results = {}
-    for rank in range(world):
-        path = tmp_path / f"{rank}.json"
-        results[rank] = json.loads(path.read_text()) if path.exists() else None
-    return results
 
 
 def _config(**overrides) -> RefitConfig:

@@ -115,3 +115,42 @@ def test_layer_spec_without_transformer_engine():
             "parallel.sequence_parallel=true needs the transformer-engine layer spec; the local "
             "spec's torch LayerNorm does not support it (set parallel.sequence_parallel: false)")):
         resolve_layer_spec("auto", ParallelConfig(tensor=2, sequence_parallel=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Inner:
+    RENAMED_KEYS = {"size": "shape.width"}
+    width: int = 1
+
+    def __post_init__(self) -> None:
+        if self.width > 4:
+            from mcore_refit.config import ConfigError
+
+            raise ConfigError(f"config key '`width`' must be ≤ 4 (see `limit`), got {self.width}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Outer:
+    inner: _Inner = field(default_factory=_Inner)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    outer: _Outer = field(default_factory=_Outer)
+
+
+def test_section_errors_name_the_full_dotted_key():
+    with pytest.raises(ValueError) as error:
+        from_dict(_Job, {"outer": {"inner": {"width": 9}}})
+    assert str(error.value) == ("config key 'outer.inner.width' must be ≤ 4 "
+                                "(see outer.inner.limit), got 9")
+    with pytest.raises(ValueError) as error:
+        _Inner(width=9)  # built in code, not from a config: keys relative to the section
+    assert str(error.value) == "config key 'width' must be ≤ 4 (see limit), got 9"
+
+
+def test_renamed_key_names_its_new_name():
+    with pytest.raises(ValueError) as error:
+        from_dict(_Job, {"outer": {"inner": {"size": 3}}})
+    assert str(error.value) == ("config key 'outer.inner.size' was renamed "
+                                "'outer.inner.shape.width'")
