@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from mcore_refit.refit.source import TensorSpec
+from mcore_refit.refit.plan import TensorSpec
 
 
 class NamedTensorEngine:
