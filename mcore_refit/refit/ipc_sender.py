@@ -32,7 +32,7 @@ import torch.distributed as dist
 import zmq
 
 from mcore_refit.control import ControlGroup
-from mcore_refit.refit.buffers import BufferSlots
+from mcore_refit.refit.buffers import BufferSlots, BufferStatus, HeaderWord
 from mcore_refit.refit.checksum import DIGEST_WORDS
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.group import GroupCollectives
@@ -168,6 +168,7 @@ class IpcSender(RefitSender):
             self._start(refit_index=refit_index, verify=verify)
         except RefitError as error:
             engine_failure = error
+        source_failure: str | None = None  # a buffer arrived aborted: the engine gets no more
         in_flight: PlannedBuffer | None = None  # sent to the engine, ACK not yet received
         first_send = None
         for buffer in plan.buffers:
@@ -175,8 +176,11 @@ class IpcSender(RefitSender):
                     and in_flight.receiver_slot == buffer.receiver_slot):
                 engine_failure = self._await_ack(in_flight, refit_index, telemetry)
                 in_flight = None
-            self._fill(buffer, producer, refit_index=refit_index)
-            if engine_failure is not None:
+            aborted = self._fill(buffer, producer, refit_index=refit_index)
+            if aborted and source_failure is None:
+                source_failure = (f"trainer rank {buffer.source} aborted buffer {buffer.index} "
+                                  "(its export failed)")
+            if engine_failure is not None or source_failure is not None:
                 continue
             if in_flight is not None:
                 engine_failure = self._await_ack(in_flight, refit_index, telemetry)
@@ -193,7 +197,7 @@ class IpcSender(RefitSender):
                 engine_failure = error
         if in_flight is not None and engine_failure is None:
             engine_failure = self._await_ack(in_flight, refit_index, telemetry)
-        failure = producer.finish()
+        failure = producer.finish() or source_failure
         if first_send is not None:
             telemetry.transfer_s = time.perf_counter() - first_send
         digests = self._digest_table(producer) if verify else None
@@ -227,9 +231,10 @@ class IpcSender(RefitSender):
 
     # --- steps ----------------------------------------------------------------------------
 
-    def _fill(self, buffer: PlannedBuffer, producer: BufferProducer, *, refit_index: int) -> None:
+    def _fill(self, buffer: PlannedBuffer, producer: BufferProducer, *, refit_index: int) -> bool:
         """Put ``buffer``'s bytes in its slot: packed here or broadcast from its source rank;
-        returns once they are in memory (the engine reads them from another process)."""
+        returns once they are in memory (the engine reads them from another process), and
+        whether the source aborted the buffer."""
         timeout_s = self._options.timeout_s
         producer.exchange(buffer, timeout_s=timeout_s)
         if buffer.source == self._rank:
@@ -243,6 +248,8 @@ class IpcSender(RefitSender):
         self._streams.record(done)
         self._streams.host_wait(done, timeout_s=timeout_s,
                                 what=f"buffer {buffer.index} of refit {refit_index} in its slot")
+        status = int(self._slots.header_view(buffer.index)[HeaderWord.STATUS].item())
+        return status == BufferStatus.ABORTED
 
     def _digest_table(self, producer: BufferProducer) -> torch.Tensor:
         """The digests of every tensor as its source exported it (from every source rank)."""
