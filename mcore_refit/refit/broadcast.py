@@ -51,7 +51,13 @@ from mcore_refit.refit.rounds import RefitRounds
 from mcore_refit.refit.source import RefitPass
 from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError, RefitReceiver, RefitSender, WeightLoader
+from mcore_refit.refit.transport import (
+    RefitError,
+    RefitReceiver,
+    RefitSender,
+    WeightLoader,
+    load_into,
+)
 from mcore_refit.refit.wire import SlotHandle, WireError, from_fields, to_fields
 
 # Tags of the control plane's point-to-point messages between a source and an IPC receiver:
@@ -472,7 +478,7 @@ class BroadcastReceiver(RefitReceiver):
               telemetry: RefitTelemetry) -> str | None:
         started = time.perf_counter()
         try:
-            engine.load_weights(slots.named_views(buffer_index))
+            load_into(engine, slots.entries(buffer_index))
         except Exception:
             return f"engine.load_weights on buffer {buffer_index}: {traceback.format_exc()}"
         finally:
@@ -489,7 +495,7 @@ class BroadcastReceiver(RefitReceiver):
         for index, *digest in (row for rank_rows in shared for row in rank_rows):
             table[index] = torch.tensor(digest, dtype=torch.int64)
         if failure is None:
-            failure = verify_engine_weights(engine, plan.names, table.to(self._streams.device))
+            failure = verify_engine_weights(engine, plan.specs(), table.to(self._streams.device))
             telemetry.verified = failure is None
         telemetry.verify_s = time.perf_counter() - started
         return failure

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from mcore_refit.refit.checksum import buffer_checksum
-from mcore_refit.refit.plan import HEADER_BYTES, PlannedTensor, RefitPlan
+from mcore_refit.refit.plan import HEADER_BYTES, PlannedTensor, RefitPlan, TensorSpec
+from mcore_refit.refit.source import Piecewise
 
 # "MCREFIT1" as a little-endian int64.
 HEADER_MAGIC = int.from_bytes(b"MCREFIT1", "little")
@@ -129,7 +130,8 @@ class BufferSlots:
         self.slots: list[torch.Tensor] = list(slots)
         self.device = self.slots[0].device
         self._views: list[list[torch.Tensor] | None] = [None] * plan.num_buffers
-        self._named: list[list[tuple[str, torch.Tensor]] | None] = [None] * plan.num_buffers
+        self._entries: list[list[tuple[TensorSpec, torch.Tensor]] | None] = (
+            [None] * plan.num_buffers)
         self._groups: list[list[list[int]] | None] = [None] * plan.num_buffers
 
     @classmethod
@@ -178,14 +180,16 @@ class BufferSlots:
             self._views[buffer_index] = views
         return views
 
-    def named_views(self, buffer_index: int) -> list[tuple[str, torch.Tensor]]:
-        """``(name, view)`` pairs of the buffer, as handed to ``load_weights`` (cached)."""
-        named = self._named[buffer_index]
-        if named is None:
-            named = list(zip(self.plan.buffer_names(buffer_index),
-                             self.tensor_views(buffer_index), strict=True))
-            self._named[buffer_index] = named
-        return named
+    def entries(self, buffer_index: int) -> list[tuple[TensorSpec, torch.Tensor]]:
+        """``(spec, view)`` of every tensor or piece in the buffer, as handed to the engine
+        (:func:`~mcore_refit.refit.transport.load_into`; cached)."""
+        entries = self._entries[buffer_index]
+        if entries is None:
+            buffer = self.plan.buffers[buffer_index]
+            entries = list(zip((t.spec for t in self.plan.tensors_of(buffer)),
+                               self.tensor_views(buffer_index), strict=True))
+            self._entries[buffer_index] = entries
+        return entries
 
     def pack_from(self, buffer_index: int, reader: SourceReader, *, batched: bool,
                   observe: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -211,7 +215,10 @@ class BufferSlots:
                 tensor = reader.next_tensor(entry)
                 if observe is not None:
                     observe(tensor)
-                view.copy_(tensor)
+                if isinstance(tensor, Piecewise):
+                    torch._foreach_copy_(*tensor.copy_pairs(view))
+                else:
+                    view.copy_(tensor)
 
     def pack(self, buffer_index: int, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` (validated against the plan) into their views, one batch per dtype.
@@ -223,16 +230,22 @@ class BufferSlots:
         assert len(tensors) == len(views), (len(tensors), len(views))
         with torch.no_grad():
             for positions in self._dtype_groups(buffer_index):
-                if positions is None:
-                    torch._foreach_copy_(views, list(tensors))
-                else:
-                    torch._foreach_copy_([views[i] for i in positions],
-                                         [tensors[i] for i in positions])
+                chosen = range(len(views)) if positions is None else positions
+                destinations, sources = [], []
+                for i in chosen:
+                    if isinstance(tensors[i], Piecewise):
+                        into, runs = tensors[i].copy_pairs(views[i])
+                        destinations.extend(into)
+                        sources.extend(runs)
+                    else:
+                        destinations.append(views[i])
+                        sources.append(tensors[i])
+                torch._foreach_copy_(destinations, sources)
 
     def close(self) -> None:
         self.slots.clear()
         self._views = [None] * self.plan.num_buffers
-        self._named = [None] * self.plan.num_buffers
+        self._entries = [None] * self.plan.num_buffers
 
     def _dtype_groups(self, buffer_index: int) -> list[list[int] | None]:
         # [None] means "one dtype: copy the whole buffer in one batch".
@@ -271,10 +284,10 @@ class SourceReader:
                 f"refit plan's {self._plan.num_tensors} tensors)"
             )
         name, tensor = item
-        if name != spec.name or tensor.dtype != spec.dtype or tensor.shape != spec.shape:
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise ValueError(
                 f"the weight source yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} at "
-                f"position {planned.index}, the refit plan expects {spec.name!r} {spec.shape} "
+                f"position {planned.index}, the refit plan expects {spec.label!r} {spec.shape} "
                 f"{spec.dtype}; rebuild the plan when the model changes"
             )
         return tensor

@@ -2,28 +2,34 @@
 
 Megatron-Bridge's ``export_hf_weights`` hands every full tensor to every rank: a pipeline
 broadcast per tensor (into a freshly allocated tensor) and a tensor-parallel all-gather per
-sharded tensor. :class:`ModelExport` runs Bridge's own export loop, with its mapping registry and
-conversion tasks, on each trainer rank for the parameters that rank holds, and makes each HF
-tensor the job of one *source* rank:
+sharded tensor. :class:`ModelExport` keeps Bridge as the authority on what the HF tensors are —
+its mapping registry, conversion tasks and export loop — and has each trainer rank send what it
+holds:
 
-- **pipeline and expert parallelism**: the conversion tasks' mappings are given process groups of
-  size one for the pipeline and expert-parallel dimensions, so a rank converts exactly the
-  parameters of its own model chunks (every virtual-pipeline chunk) and no tensor crosses a stage;
-- **tensor parallelism**: a tensor's source converts it from every TP rank's shard. The shards of
-  a whole buffer travel in one exchange per peer (:meth:`ExportPass.exchange`), and Bridge's
-  per-tensor gather is pointed at them (:func:`mcore_refit.compat.pregathered_tp_shards`);
-- **duplicates** (data-parallel replicas, tied embeddings on two stages) are produced once;
-- **sources** are balanced by bytes over the ranks that can produce a tensor, ranks in ``prefer``
-  first (a rank on the same device as an inference rank hands its buffers over without crossing a
-  link).
+- **what each rank holds**: the conversion tasks' mappings get process groups of size one for the
+  pipeline and expert-parallel dimensions, so a rank converts exactly the parameters of its own
+  model chunks (every virtual-pipeline chunk) and nothing crosses a stage;
+- **tensor parallelism without gathers**: a rank that holds a TP shard sends the *piece* of each
+  HF tensor that its shard makes up (:class:`~mcore_refit.refit.plan.Region`), and the engine
+  writes each piece into its place. Which rows of which HF tensor a shard makes up is learned
+  once, by running Bridge's own conversion of the task on index probes (a tensor of row numbers,
+  every TP rank's probe standing in for its shard): the rows that come out say where each row of
+  the shard goes, with no QKV, gated-MLP or vocabulary-padding rule written here;
+- **compiled**: every task whose conversion only moves rows (all standard Llama/Qwen mappings,
+  sharded or not) becomes views of its parameter, so a refit runs no conversion at all and packs
+  a buffer with one batched copy per dtype; a task that does more is converted by Bridge on its
+  rank at each refit;
+- **duplicates** (data-parallel replicas, tied embeddings on two stages) are sent once;
+  single-rank tasks go to the rank with the fewest bytes so far among those that hold them,
+  ranks in ``prefer`` first (a rank on the same device as an inference rank hands its buffers
+  over without crossing a link).
 
-A conversion that is not local (its dry run on meta tensors fails, or it gathers more than its
-parameter) uses Bridge's full export for that tensor, in step on every trainer rank; each such
-mapping type is logged once.
+A sharded task whose conversion is not row moves (its probe fails) uses Bridge's full export for
+its tensors, in step on every trainer rank; each such mapping type is logged once.
 
-All of it is collective over the trainer ranks: build, :meth:`ModelExport.layout`,
-:meth:`ModelExport.begin` and every :meth:`ExportPass.exchange` run on every trainer rank, in the
-same order.
+Building the layout (:meth:`ModelExport.layout`) is collective over the trainer ranks; so is each
+:meth:`ModelExport.begin` and every :meth:`ExportPass.exchange`: call them on every trainer rank,
+in the same order.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -39,21 +45,19 @@ import torch.distributed as dist
 
 from mcore_refit import compat
 from mcore_refit.control import ControlGroup
-from mcore_refit.refit.group import GroupCollectives, PendingTransfer
 from mcore_refit.refit.plan import (
     PlannedBuffer,
     RefitPlan,
+    Region,
     TensorSpec,
     dtype_from_name,
     dtype_name,
 )
-from mcore_refit.refit.source import SourceLayout
-from mcore_refit.refit.streams import DeviceStreams
+from mcore_refit.refit.source import Piecewise, SourceLayout
 
 logger = logging.getLogger(__name__)
 
-# Shards of one buffer start at multiples of this many bytes in the exchange buffers.
-_SHARD_ALIGNMENT = 256
+COMPILED, CONVERTED, FALLBACK = "compiled", "converted", "fallback"
 
 
 class _SoloGroup:
@@ -81,27 +85,32 @@ class _LocalGroups:
 
 
 @dataclass(frozen=True)
-class Gather:
-    """A task's TP shards: one of ``shape``/``dtype`` on each rank of ``ranks`` (TP order)."""
+class _Run:
+    """Rows ``[local, local + length)`` of the parameter (along its partition dimension) go to
+    ``[offset, offset + length)`` of the piece."""
 
-    ranks: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    offset: int
+    local: int
+    length: int
 
-    @property
-    def num_bytes(self) -> int:
-        return TensorSpec(name="", shape=self.shape, dtype=self.dtype).num_bytes
+
+@dataclass(frozen=True)
+class _Output:
+    """One HF tensor a rank's task yields: its spec (a piece where the rank holds a shard) and,
+    for a compiled task, where its rows come from."""
+
+    spec: TensorSpec
+    runs: tuple[_Run, ...] = ()
 
 
 @dataclass(frozen=True)
 class ExportTask:
-    """One conversion task as the layout sees it: what it yields and who produces it."""
+    """One conversion task as the layout sees it: what its source rank yields."""
 
     key: str  # Bridge's global parameter name
+    kind: str  # COMPILED, CONVERTED or FALLBACK
     source: int
     outputs: tuple[TensorSpec, ...]
-    gather: Gather | None
-    fallback: bool
 
 
 @dataclass(frozen=True)
@@ -109,80 +118,85 @@ class ExportLayout:
     """Who exports what, identical on every trainer rank."""
 
     tasks: tuple[ExportTask, ...]
+    # Bridge's parameter names whose tensors take its full export (one task in ``tasks``).
+    fallback_keys: frozenset[str] = frozenset()
+
+    @cached_property
+    def ordered(self) -> list[ExportTask]:
+        """Fallback tensors first (every rank reads Bridge's full export for them in step),
+        then by source."""
+        return sorted(self.tasks, key=lambda t: (t.kind != FALLBACK, t.source))
 
     @cached_property
     def specs(self) -> list[TensorSpec]:
-        """Every exported tensor, grouped by source in source order (the plan's input)."""
-        return [o for t in self._ordered for o in t.outputs]
+        """Every exported tensor or piece, grouped by source in source order (the plan's
+        input)."""
+        return [o for t in self.ordered for o in t.outputs]
 
     @cached_property
     def sources(self) -> list[int]:
-        return [t.source for t in self._ordered for _ in t.outputs]
+        return [t.source for t in self.ordered for _ in t.outputs]
 
-    @cached_property
-    def _ordered(self) -> list[ExportTask]:
-        # Fallback tensors first: every rank reads Bridge's full export for them in step.
-        return sorted(self.tasks, key=lambda t: (not t.fallback, t.source))
+
+@dataclass
+class _LocalTask:
+    """This rank's view of a conversion task: Bridge's task and what the dry runs found."""
+
+    task: object
+    kind: str
+    outputs: list[_Output] = field(default_factory=list)
+    # Trainer ranks holding the task's TP shards, in TP order (None: the task is not sharded).
+    shard_ranks: tuple[int, ...] | None = None
+    partition_dim: int = 0
 
 
 class ModelExport:
-    """A weight source over Megatron model chunks for the refit engine (see the module doc).
+    """A refit source over Megatron model chunks (see the module docstring).
 
     ``control`` is a gloo group over all trainer ranks (its ranks are the trainer ranks and the
-    plan's sources); ``prefer`` names trainer ranks to make sources where they can be.
+    plan's sources); ``prefer`` names trainer ranks to make sources where there is a choice.
     """
 
     def __init__(self, model, *, control: ControlGroup, device: torch.device,
                  prefer: Collection[int] = ()) -> None:
         self._model = model
         self._control = control
-        self._streams = DeviceStreams(device)
+        self._device = torch.device(device)
         self._prefer = frozenset(prefer)
         self.rank = control.rank
-        self._tasks = self._local_tasks()
+        self._logged: set[str] = set()
+        self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
         self._layout: ExportLayout | None = None
-        self._exchanges: tuple[str, list[ShardExchange | None]] | None = None
-        self._logged_fallbacks: set[str] = set()
 
-    # --- layout ---------------------------------------------------------------------------
+    @property
+    def model(self):
+        return self._model
 
     def layout(self) -> SourceLayout:
         """Every tensor's spec and source rank (collective over the trainer ranks, once)."""
-        assignment = self.assignment()
-        return SourceLayout(specs=assignment.specs, sources=assignment.sources)
+        layout = self.assignment()
+        return SourceLayout(specs=layout.specs, sources=layout.sources)
 
     def assignment(self) -> ExportLayout:
         """Who exports what (collective over the trainer ranks on first call)."""
         if self._layout is None:
-            described = [self._describe(key, task) for key, task in self._tasks.items()]
             shared = self._control.all_gather_json(
-                [_info_to_json(info) for info in described if info is not None],
+                [_report(key, local) for key, local in self._local.items()],
                 what="the conversion tasks of every trainer rank")
-            infos = [[_info_from_json(data) for data in rank_infos] for rank_infos in shared]
-            fallback_keys = {i["key"] for rank_infos in infos for i in rank_infos
-                             if i["fallback"]}
-            fallback = self._fallback_specs(fallback_keys)
-            self._layout = _assign(infos, fallback=fallback, prefer=self._prefer)
+            reports = [[_parse_report(r) for r in rank_reports] for rank_reports in shared]
+            fallback = {r["key"] for rank_reports in reports for r in rank_reports
+                        if r["kind"] == FALLBACK}
+            self._layout = _assign(reports, fallback=self._fallback_specs(fallback),
+                                   fallback_keys=fallback, prefer=self._prefer)
         return self._layout
 
     def begin(self, plan: RefitPlan) -> ExportPass:
         """One refit's pass over the weights. Collective over the trainer ranks."""
         return ExportPass(self, plan)
 
-    @property
-    def model(self):
-        return self._model
+    # --- dry runs -------------------------------------------------------------------------
 
-    @property
-    def held_bytes(self) -> int:
-        """Device bytes held by the TP shard exchange buffers (0 without tensor parallelism)."""
-        if self._exchanges is None:
-            return 0
-        return sum(e.held_bytes for e in self._exchanges[1] if e is not None)
-
-    # --- internals ------------------------------------------------------------------------
-
-    def _local_tasks(self) -> dict[str, object]:
+    def _conversion_tasks(self):
         """This rank's conversion tasks (its own parameters), with shard-local groups."""
         from megatron.core import parallel_state
 
@@ -191,13 +205,10 @@ class ModelExport:
                                                             self._model.unwrapped())
         groups = _LocalGroups(tp=parallel_state.get_tensor_model_parallel_group(),
                               expt_tp=parallel_state.get_expert_tensor_parallel_group())
-        local = {}
         for task in tasks:
-            if task is None or task.param_weight is None:
-                continue
-            task.mapping.set_process_groups_from_pg_collection(groups)
-            local[task.global_param_name] = task
-        return local
+            if task is not None and task.param_weight is not None:
+                task.mapping.set_process_groups_from_pg_collection(groups)
+                yield task.global_param_name, task
 
     def _stream(self, tasks) -> Iterator[tuple[str, torch.Tensor]]:
         bridge = self._model.bridge
@@ -205,37 +216,67 @@ class ModelExport:
             self._model.chunks, bridge.hf_pretrained, cpu=False, show_progress=False,
             conversion_tasks=list(tasks), merge_adapter_weights=False)
 
-    def _describe(self, key: str, task) -> dict | None:
-        """A dry run of ``task`` on meta tensors: its outputs and TP gather, or a fallback."""
-        gathers: list[Gather] = []
+    def _describe(self, task) -> _LocalTask:
+        """Dry runs of ``task``: on meta tensors (its outputs; does it gather TP shards?), then on
+        index probes (which rows go where)."""
+        weight = task.param_weight
+        gathers: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
         def record(mapping, tensor):
             ranks = tuple(dist.get_process_group_ranks(mapping.tp_group))
-            gathers.append(Gather(ranks=ranks, shape=tuple(tensor.shape), dtype=tensor.dtype))
+            gathers.append((ranks, tuple(tensor.shape)))
             return [tensor] * len(ranks)
 
-        weight = task.param_weight
         meta = dataclasses.replace(task, param_weight=torch.empty(weight.shape, dtype=weight.dtype,
                                                                   device="meta"))
         try:
             with compat.pregathered_tp_shards(record):
-                outputs = [TensorSpec.of(name, tensor) for name, tensor in self._stream([meta])]
-        except Exception as error:  # noqa: BLE001 - any failure means: not shard-local
-            return self._fallback_info(key, task, f"{type(error).__name__}: {error}")
-        if len(gathers) > 1 or (gathers and gathers[0].shape != tuple(weight.shape)):
-            return self._fallback_info(key, task, "it gathers more than its own parameter")
-        if not outputs:
-            return None
-        return {"key": key, "outputs": tuple(outputs),
-                "gather": gathers[0] if gathers else None, "fallback": False}
+                full = [TensorSpec.of(name, tensor) for name, tensor in self._stream([meta])]
+        except Exception as error:  # noqa: BLE001 - any failure means: not local
+            return self._fallback(task, f"{type(error).__name__}: {error}")
+        if len(gathers) > 1 or (gathers and gathers[0][1] != tuple(weight.shape)):
+            return self._fallback(task, "it gathers more than its own parameter")
+        shard_ranks = gathers[0][0] if gathers else None
+        dim = getattr(weight, "partition_dim", 0) if shard_ranks is not None else 0
+        local = _LocalTask(task=task, kind=COMPILED, shard_ranks=shard_ranks, partition_dim=dim)
+        outputs = self._probe(task, full, local)
+        if outputs is not None:
+            local.outputs = outputs
+            return local
+        if shard_ranks is not None:
+            return self._fallback(task, "its conversion does more than move rows")
+        local.kind = CONVERTED
+        local.outputs = [_Output(spec=spec) for spec in full]
+        return local
 
-    def _fallback_info(self, key: str, task, reason: str) -> dict:
+    def _probe(self, task, full: list[TensorSpec], local: _LocalTask) -> list[_Output] | None:
+        """Where each row of this rank's parameter goes in each HF tensor, from Bridge's own
+        conversion of row-number probes; None when the conversion does more than move rows."""
+        weight, dim = task.param_weight, local.partition_dim
+        if weight.dim() not in (1, 2) or not full:
+            return None
+        ranks = local.shard_ranks or (self.rank,)
+        position = ranks.index(self.rank)
+        rows = weight.shape[dim]
+        for whole_rows in (False, True):
+            try:
+                outputs = _row_map(self._stream, task, full, dim=dim, rows=rows,
+                                   num_shards=len(ranks), position=position,
+                                   whole_rows=whole_rows)
+                return [_pieces_of(spec, sources, position=position, rows=rows, dim=dim)
+                        for spec, sources in outputs]
+            except (ValueError, RuntimeError):  # e.g. the mapping wants real row widths
+                continue
+        return None
+
+    def _fallback(self, task, reason: str) -> _LocalTask:
         kind = type(task.mapping).__name__
-        if kind not in self._logged_fallbacks:
-            self._logged_fallbacks.add(kind)
+        if kind not in self._logged:
+            self._logged.add(kind)
             logger.warning("refit export: %s (e.g. %s) has no shard-local conversion (%s); its "
-                           "tensors use Megatron-Bridge's full export", kind, key, reason)
-        return {"key": key, "outputs": (), "gather": None, "fallback": True}
+                           "tensors use Megatron-Bridge's full export", kind,
+                           task.global_param_name, reason)
+        return _LocalTask(task=task, kind=FALLBACK)
 
     def _fallback_specs(self, keys: set[str]) -> list[TensorSpec]:
         """Specs of the tensors Bridge's full export yields for ``keys`` (every rank, in step)."""
@@ -246,253 +287,211 @@ class ModelExport:
     def _fallback_stream(self, keys: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         tasks = [t for t in self._model.conversion_tasks()
                  if t is not None and t.global_param_name in keys]
-        bridge = self._model.bridge
-        return bridge.export_hf_weights(self._model.chunks, cpu=False, show_progress=False,
-                                        conversion_tasks=tasks, merge_adapter_weights=False)
-
-    def _exchange_buffers(self, plan: RefitPlan,
-                          by_buffer: dict[int, list[ExportTask]]) -> list[ShardExchange | None]:
-        """One :class:`ShardExchange` per slot this rank exchanges shards through (per plan)."""
-        if self._exchanges is not None and self._exchanges[0] == plan.fingerprint:
-            return self._exchanges[1]
-        incoming = [0] * plan.num_held_slots
-        outgoing = [0] * plan.num_held_slots
-        peers = 0
-        for buffer in plan.buffers:
-            tasks = [t for t in by_buffer.get(buffer.index, ())
-                     if t.gather is not None and self.rank in t.gather.ranks]
-            if not tasks:
-                continue
-            size = shard_layout(tasks)[-1][-1]
-            if self.rank == buffer.source:
-                incoming[buffer.slot] = max(incoming[buffer.slot], size)
-                peers = max(peers, *(len(t.gather.ranks) - 1 for t in tasks))
-            else:
-                outgoing[buffer.slot] = max(outgoing[buffer.slot], size)
-        exchanges = [ShardExchange(incoming=incoming[slot], outgoing=outgoing[slot],
-                                   num_peers=peers, streams=self._streams)
-                     if incoming[slot] or outgoing[slot] else None
-                     for slot in range(plan.num_held_slots)]
-        self._exchanges = (plan.fingerprint, exchanges)
-        return exchanges
+        return self._model.bridge.export_hf_weights(
+            self._model.chunks, cpu=False, show_progress=False, conversion_tasks=tasks,
+            merge_adapter_weights=False)
 
 
 class ExportPass:
-    """One refit's pass of :class:`ModelExport`: this rank's tensors and its part in exchanges.
+    """One refit's pass of :class:`ModelExport` on one trainer rank.
 
     The refit calls :meth:`exchange` for every buffer of the plan, in plan order, on every trainer
-    rank, and pulls :meth:`own_weights` while packing the buffers this rank is the source of
-    (each buffer after its exchange). A tensor is valid until the next one is pulled.
+    rank (it reads Bridge's full export in step for fallback tensors), and pulls
+    :meth:`own_weights` while packing the buffers this rank is the source of.
     """
-
-    stable_tensors = False
 
     def __init__(self, export: ModelExport, plan: RefitPlan) -> None:
         self._export = export
         self._rank = export.rank
         layout = export.assignment()
-        self._by_buffer = _tasks_by_buffer(layout, plan)
-        self._own = [t for t in layout._ordered if t.source == self._rank]
-        self._exchanges = export._exchange_buffers(plan, self._by_buffer)
-        # id(local parameter) -> every TP rank's shard of it, for the buffer being packed.
-        self._shards: dict[int, list[torch.Tensor]] = {}
-        keys = {t.key for t in layout.tasks if t.fallback}
+        self._own = [t for t in layout.ordered if t.source == self._rank]
+        # Compiled outputs are views of parameters: they stay valid for the whole pass.
+        self.stable_tensors = all(t.kind == COMPILED for t in self._own)
+        keys = set(layout.fallback_keys)
         self._fallback = export._fallback_stream(keys) if keys else None
-
-    def own_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's tensors in plan order (the buffers it is the source of)."""
-        for _ in range(sum(len(t.outputs) for t in self._own if t.fallback)):
-            yield next(self._fallback)
-        planned = {o.name for t in self._own for o in t.outputs}
-        tasks = [self._export._tasks[t.key] for t in self._own if not t.fallback]
-        stream = self._export._stream(tasks)
-        while True:
-            with compat.pregathered_tp_shards(self._shards_of):
-                item = next(stream, None)
-            if item is None:
-                return
-            if item[0] in planned:
-                yield item
+        self._fallback_in = _fallback_counts(layout, plan)
 
     def exchange(self, buffer: PlannedBuffer, *, timeout_s: float) -> None:
-        """This rank's part in moving the TP shards of the tasks that start in ``buffer`` to its
-        source (and in reading the fallback export for tensors landing there). Every trainer rank
-        calls it for every buffer, in plan order; ranks with no part return at once."""
-        tasks = self._by_buffer.get(buffer.index, ())
-        for task in tasks:
-            if task.fallback and self._rank != task.source:
+        """Read Bridge's full export in step with ``buffer``'s source for the fallback tensors it
+        packs (a collective over the trainer ranks); nothing else moves between trainers."""
+        if self._rank != buffer.source:
+            for _ in range(self._fallback_in.get(buffer.index, 0)):
+                next(self._fallback)
+
+    def own_weights(self) -> Iterator[tuple[str, torch.Tensor | Piecewise]]:
+        """This rank's tensors and pieces in plan order."""
+        locals_ = self._export._local
+        for task in self._own:
+            if task.kind == FALLBACK:
                 for _ in task.outputs:
-                    next(self._fallback)
-        gathered = [t for t in tasks if t.gather is not None and self._rank in t.gather.ranks]
-        if not gathered:
-            return
-        exchange = self._exchanges[buffer.slot]
-        if self._rank == buffer.source:
-            self._shards = exchange.collect(buffer, gathered, self._export._tasks,
-                                            timeout_s=timeout_s)
-        else:
-            exchange.contribute(buffer, gathered, self._export._tasks, timeout_s=timeout_s)
+                    yield next(self._fallback)
+            elif task.kind == COMPILED:
+                local = locals_[task.key]
+                sent = {(o.name, o.region) for o in task.outputs}
+                weight = local.task.param_weight.detach()
+                for output in local.outputs:
+                    if (output.spec.name, output.spec.region) in sent:
+                        yield output.spec.name, _tensor(weight, output, local.partition_dim)
+            else:
+                sent = {o.name for o in task.outputs}
+                for name, tensor in self._export._stream([locals_[task.key].task]):
+                    if name in sent:
+                        yield name, tensor
 
-    def _shards_of(self, mapping, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        return self._shards.get(id(tensor))
 
+def _row_map(stream, task, full: list[TensorSpec], *, dim: int, rows: int, num_shards: int,
+             position: int, whole_rows: bool) -> list[tuple[TensorSpec, list[int]]]:
+    """Run the task's conversion on row-number probes; per output, the probe row behind each of
+    its rows along ``dim`` (shard ``k``'s row ``i`` is ``k * rows + i``).
 
-class ShardExchange:
-    """Persistent buffers for one slot's TP shard exchanges (allocated once per plan).
-
-    A source receives each peer's shards of a buffer into a region of its own; a peer packs its
-    shards into ``outgoing`` and sends them, one message per gather group. Shards sit at aligned
-    offsets in the order of the buffer's tasks, the same on every rank (:func:`shard_layout`).
+    Probes are one column wide unless ``whole_rows`` (mappings that check row widths against the
+    model config get rows of the parameter's real width, every column equal). Raises
+    ``ValueError`` where the conversion does more than move rows.
     """
+    weight = task.param_weight
+    shape = list(weight.shape) if whole_rows else [rows if d == dim else 1
+                                                   for d in range(weight.dim())]
+    dtype = torch.float32 if whole_rows else torch.float64  # exact row numbers either way
 
-    def __init__(self, *, incoming: int, outgoing: int, num_peers: int,
-                 streams: DeviceStreams) -> None:
-        device = streams.device
-        self.streams = streams
-        self.outgoing = torch.zeros(outgoing, dtype=torch.uint8, device=device)
-        self.incoming = [torch.zeros(incoming, dtype=torch.uint8, device=device)
-                         for _ in range(num_peers if incoming else 0)]
-        self._sending: list[PendingTransfer] = []
+    def probe(shard: int) -> torch.Tensor:
+        numbers = torch.arange(shard * rows, (shard + 1) * rows, dtype=dtype)
+        view = [rows if d == dim else 1 for d in range(weight.dim())]
+        return numbers.view(view).expand(shape).contiguous()
 
-    @property
-    def held_bytes(self) -> int:
-        return self.outgoing.numel() + sum(region.numel() for region in self.incoming)
+    probes = [probe(k) for k in range(num_shards)]
 
-    def collect(self, buffer: PlannedBuffer, tasks, local_tasks, *,
-                timeout_s: float) -> dict[int, list[torch.Tensor]]:
-        """Receive every peer's shards of ``tasks``; every TP rank's shard per local parameter."""
-        shards: dict[int, list[torch.Tensor]] = {}
-        for ranks, group_tasks, offsets, start, stop in shard_layout(tasks):
-            collectives = _GatherGroup(local_tasks[group_tasks[0].key].mapping.tp_group, ranks,
-                                       self.streams)
-            peers = [rank for rank in ranks if rank != buffer.source]
-            pending = [collectives.recv_async(
-                region[start:stop], src_rank=collectives.group_rank_of(peer),
-                what=f"trainer rank {peer}'s TP shards for buffer {buffer.index}")
-                for region, peer in zip(self.incoming, peers, strict=False)]
-            for transfer in pending:
-                transfer.wait_stream(self.streams, timeout_s=timeout_s)
-            incoming = dict(zip(peers, self.incoming, strict=False))
-            for task, offset in zip(group_tasks, offsets, strict=True):
-                own = local_tasks[task.key].param_weight
-                shards[id(own)] = [own if rank not in incoming else _view(
-                    incoming[rank], offset, task.gather) for rank in ranks]
-        return shards
+    def shards_of(mapping, tensor):
+        return probes
 
-    def contribute(self, buffer: PlannedBuffer, tasks, local_tasks, *, timeout_s: float) -> None:
-        """Pack this rank's shards of ``tasks`` and send them to the buffer's source."""
-        for transfer in self._sending:
-            transfer.wait_stream(self.streams, timeout_s=timeout_s)
-        self._sending.clear()
-        for ranks, group_tasks, offsets, start, stop in shard_layout(tasks):
-            collectives = _GatherGroup(local_tasks[group_tasks[0].key].mapping.tp_group, ranks,
-                                       self.streams)
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [_view(self.outgoing, offset, task.gather) for task, offset in
-                     zip(group_tasks, offsets, strict=True)],
-                    [local_tasks[task.key].param_weight.detach() for task in group_tasks])
-            self._sending.append(collectives.send_async(
-                self.outgoing[start:stop], dst_rank=collectives.group_rank_of(buffer.source),
-                what=f"this rank's TP shards for buffer {buffer.index} to trainer rank "
-                     f"{buffer.source}"))
+    probed = dataclasses.replace(task, param_weight=probes[position])
+    with compat.pregathered_tp_shards(shards_of):
+        outputs = dict(stream([probed]))
+    by_name = {spec.name: spec for spec in full}
+    if set(outputs) != set(by_name):
+        raise ValueError("the probe's outputs differ from the conversion's")
+    mapped = []
+    for name, out in outputs.items():
+        spec = by_name[name]
+        if out.dim() != len(spec.shape) or out.shape[dim] != spec.shape[dim]:
+            raise ValueError(f"{name}: rows do not map along dim {dim}")
+        others = [d for d in range(out.dim()) if d != dim]
+        if any(spec.shape[d] != weight.shape[d] for d in others):
+            raise ValueError(f"{name}: the other dimensions change")
+        column = out
+        for d in reversed(others):
+            if not bool((column == column.narrow(d, 0, 1)).all()):
+                raise ValueError(f"{name}: not a row move")
+            column = column.narrow(d, 0, 1)
+        numbers = column.reshape(-1)
+        if not bool((numbers == numbers.round()).all()) or bool((numbers < 0).any()) or \
+                bool((numbers >= num_shards * rows).any()):
+            raise ValueError(f"{name}: values are not row numbers")
+        mapped.append((spec, [int(v) for v in numbers.tolist()]))
+    return mapped
 
 
-class _GatherGroup(GroupCollectives):
-    """A TP (or expert-TP) group with the trainer ranks of its members, in TP order."""
-
-    def __init__(self, group, ranks: tuple[int, ...], streams: DeviceStreams) -> None:
-        super().__init__(group=group, streams=streams)
-        self._ranks = ranks
-
-    def group_rank_of(self, rank: int) -> int:
-        return self._ranks.index(rank)
-
-
-def shard_layout(tasks) -> list[tuple[tuple[int, ...], list[ExportTask], list[int], int, int]]:
-    """Where a buffer's shards sit in the exchange buffers: per gather group (in order of first
-    appearance), its ranks, tasks, each task's byte offset, and the group's ``[start, stop)``."""
-    groups: dict[tuple[int, ...], list[ExportTask]] = {}
-    for task in tasks:
-        groups.setdefault(task.gather.ranks, []).append(task)
-    layout, cursor = [], 0
-    for ranks, group_tasks in groups.items():
-        start, offsets = cursor, []
-        for task in group_tasks:
-            offsets.append(cursor)
-            cursor = _align_up(cursor + task.gather.num_bytes, _SHARD_ALIGNMENT)
-        layout.append((ranks, group_tasks, offsets, start, cursor))
-    return layout
+def _pieces_of(spec: TensorSpec, sources: list[int], *, position: int, rows: int,
+               dim: int) -> _Output:
+    """This rank's piece of one output and its runs; ``sources[j]`` is the probe row behind row
+    ``j`` of the output."""
+    mine = [j for j, source in enumerate(sources) if source // rows == position]
+    if not mine or mine != list(range(mine[0], mine[-1] + 1)):
+        raise ValueError(f"{spec.name}: this rank's rows are not one block")
+    start, length = mine[0], len(mine)
+    runs, offset = [], 0
+    for j in mine:
+        local = sources[j] % rows
+        if runs and runs[-1].local + runs[-1].length == local:
+            runs[-1] = _Run(offset=runs[-1].offset, local=runs[-1].local,
+                            length=runs[-1].length + 1)
+        else:
+            runs.append(_Run(offset=offset, local=local, length=1))
+        offset += 1
+    shape = list(spec.shape)
+    shape[dim] = length
+    whole = length == spec.shape[dim]
+    region = None if whole else Region(dim=dim, start=start, full=spec.shape[dim])
+    return _Output(spec=TensorSpec(name=spec.name, shape=tuple(shape), dtype=spec.dtype,
+                                   region=region), runs=tuple(runs))
 
 
-def _assign(infos: list[list[dict]], *, fallback: list[TensorSpec],
+def _tensor(weight: torch.Tensor, output: _Output, dim: int) -> torch.Tensor | Piecewise:
+    """The output's rows of ``weight``: a view, or a :class:`Piecewise` of views."""
+    views = [weight.narrow(dim, run.local, run.length) for run in output.runs]
+    if len(views) == 1:
+        return views[0]
+    spec = output.spec
+    return Piecewise(shape=spec.shape, dtype=spec.dtype, dim=dim,
+                     offsets=[run.offset for run in output.runs], runs=views)
+
+
+def _assign(reports: list[list[dict]], *, fallback: list[TensorSpec], fallback_keys: set[str],
             prefer: frozenset[int]) -> ExportLayout:
     """Every task's source, deterministic from what every rank reported (see the module doc)."""
     holders: dict[str, list[tuple[int, dict]]] = {}
-    for rank, rank_infos in enumerate(infos):
-        for info in rank_infos:
-            if not info["fallback"]:
-                holders.setdefault(info["key"], []).append((rank, info))
+    for rank, rank_reports in enumerate(reports):
+        for report in rank_reports:
+            if report["key"] not in fallback_keys:
+                holders.setdefault(report["key"], []).append((rank, report))
     claimed: set[str] = {s.name for s in fallback}
     load: dict[int, int] = {}
     tasks: list[ExportTask] = []
     if fallback:
-        tasks.append(ExportTask(key="<fallback>", source=0, outputs=tuple(fallback), gather=None,
-                                fallback=True))
+        tasks.append(ExportTask(key="<fallback>", kind=FALLBACK, source=0,
+                                outputs=tuple(fallback)))
         load[0] = sum(s.num_bytes for s in fallback)
     for key, candidates in holders.items():
-        info = candidates[0][1]
-        outputs = tuple(o for o in info["outputs"] if o.name not in claimed)
-        if not outputs:
+        first = candidates[0][1]
+        names = {o.name for o in first["outputs"]} - claimed
+        if not names:
             continue
-        gather = info["gather"]
-        ranks = [r for r, _ in candidates if gather is None or r in gather.ranks]
-        source = min(ranks, key=lambda r: (r not in prefer, load.get(r, 0), r))
-        load[source] = load.get(source, 0) + sum(o.num_bytes for o in outputs)
-        claimed.update(o.name for o in outputs)
-        tasks.append(ExportTask(key=key, source=source, outputs=outputs, gather=gather,
-                                fallback=False))
-    return ExportLayout(tasks=tuple(tasks))
+        if first["shard_ranks"] is not None:
+            # Every rank of the lowest TP group holding the task sends its own pieces.
+            group = min((tuple(r["shard_ranks"]) for _, r in candidates), key=min)
+            chosen = [(rank, r) for rank, r in candidates if rank in group]
+        else:
+            source = min((rank for rank, _ in candidates),
+                         key=lambda r: (r not in prefer, load.get(r, 0), r))
+            chosen = [(rank, r) for rank, r in candidates if rank == source]
+        for rank, report in chosen:
+            outputs = tuple(o for o in report["outputs"] if o.name in names)
+            load[rank] = load.get(rank, 0) + sum(o.num_bytes for o in outputs)
+            tasks.append(ExportTask(key=key, kind=report["kind"], source=rank, outputs=outputs))
+        claimed |= names
+    return ExportLayout(tasks=tuple(tasks), fallback_keys=frozenset(fallback_keys))
 
 
-def _tasks_by_buffer(layout: ExportLayout, plan: RefitPlan) -> dict[int, list[ExportTask]]:
-    """The tasks whose first tensor lands in each buffer (their shards move with that buffer)."""
-    buffer_of = {t.spec.name: t.buffer_index for t in plan.tensors}
-    by_buffer: dict[int, list[ExportTask]] = {}
-    for task in layout.tasks:
-        if task.fallback:
-            # Fallback tensors are read one by one, in step, wherever they land.
-            for output in task.outputs:
-                by_buffer.setdefault(buffer_of[output.name], []).append(
-                    dataclasses.replace(task, outputs=(output,)))
-            continue
-        by_buffer.setdefault(buffer_of[task.outputs[0].name], []).append(task)
-    return by_buffer
+def _fallback_counts(layout: ExportLayout, plan: RefitPlan) -> dict[int, int]:
+    """How many fallback tensors each buffer packs (the others read the export in step)."""
+    fallback = {o.name for t in layout.tasks if t.kind == FALLBACK for o in t.outputs}
+    counts: dict[int, int] = {}
+    for planned in plan.tensors:
+        if planned.spec.name in fallback:
+            counts[planned.buffer_index] = counts.get(planned.buffer_index, 0) + 1
+    return counts
 
 
-def _view(region: torch.Tensor, offset: int, gather: Gather) -> torch.Tensor:
-    return region[offset:offset + gather.num_bytes].view(gather.dtype).view(gather.shape)
+def _report(key: str, local: _LocalTask) -> dict:
+    return {"key": key, "kind": local.kind,
+            "shard_ranks": None if local.shard_ranks is None else list(local.shard_ranks),
+            "outputs": [_spec_json(o.spec) for o in local.outputs]}
 
 
-def _align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
+def _parse_report(data: dict) -> dict:
+    return {"key": data["key"], "kind": data["kind"], "shard_ranks": data["shard_ranks"],
+            "outputs": tuple(_spec_from_json(o) for o in data["outputs"])}
 
 
-def _info_to_json(info: dict) -> dict:
-    gather = info["gather"]
-    return {"key": info["key"], "fallback": info["fallback"],
-            "outputs": [[o.name, list(o.shape), dtype_name(o.dtype)] for o in info["outputs"]],
-            "gather": None if gather is None else [list(gather.ranks), list(gather.shape),
-                                                   dtype_name(gather.dtype)]}
+def _spec_json(spec: TensorSpec) -> list:
+    region = spec.region
+    return [spec.name, list(spec.shape), dtype_name(spec.dtype),
+            None if region is None else [region.dim, region.start, region.full]]
 
 
-def _info_from_json(data: dict) -> dict:
-    gather = data["gather"]
-    return {"key": data["key"], "fallback": data["fallback"],
-            "outputs": tuple(TensorSpec(name=n, shape=tuple(s), dtype=dtype_from_name(d))
-                             for n, s, d in data["outputs"]),
-            "gather": None if gather is None else Gather(
-                ranks=tuple(gather[0]), shape=tuple(gather[1]), dtype=dtype_from_name(gather[2]))}
+def _spec_from_json(data: list) -> TensorSpec:
+    name, shape, dtype, region = data
+    return TensorSpec(name=name, shape=tuple(shape), dtype=dtype_from_name(dtype),
+                      region=None if region is None else Region(*region))
 
 
 class BridgeExport:
@@ -500,11 +499,9 @@ class BridgeExport:
 
     Every trainer rank yields every full tensor (Bridge's pipeline broadcast and tensor-parallel
     all-gather per tensor); trainer rank 0 is the source of every buffer and the other trainer
-    ranks read the export in step with it (in :meth:`exchange`). The refit benchmark measures it
-    as ``bridge_export``; specs come from one export pass.
+    ranks read the export in step with it (in ``exchange``). The refit benchmark measures it as
+    ``bridge_export``; its specs come from one export pass.
     """
-
-    stable_tensors = False
 
     def __init__(self, model, *, rank: int) -> None:
         self._model = model
@@ -517,9 +514,16 @@ class BridgeExport:
                            for name, tensor in self._model.export_hf_weights()]
         return SourceLayout(specs=list(self._specs), sources=[0] * len(self._specs))
 
-    def begin(self, plan: RefitPlan) -> BridgeExport:
-        self._stream = self._model.export_hf_weights()
-        return self
+    def begin(self, plan: RefitPlan) -> _BridgePass:
+        return _BridgePass(self._model.export_hf_weights(), rank=self._rank)
+
+
+class _BridgePass:
+    stable_tensors = False
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], *, rank: int) -> None:
+        self._stream = stream
+        self._rank = rank
 
     def exchange(self, buffer: PlannedBuffer, *, timeout_s: float) -> None:
         if self._rank != buffer.source:

@@ -23,7 +23,13 @@ from mcore_refit.refit.ipc_memory import gpu_uuid, open_slot, path_of
 from mcore_refit.refit.plan import RefitPlan, plan_from_json
 from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError, RefitReceiver, RefitTimeout, WeightLoader
+from mcore_refit.refit.transport import (
+    RefitError,
+    RefitReceiver,
+    RefitTimeout,
+    WeightLoader,
+    load_into,
+)
 from mcore_refit.refit.wire import (
     Ack,
     BufferReady,
@@ -209,7 +215,7 @@ class IpcReceiver(RefitReceiver):
             self._check_slot(index, state)
             state.first_buffer_at = state.first_buffer_at or time.perf_counter()
             started = time.perf_counter()
-            engine.load_weights(self._slots.named_views(index))
+            load_into(engine, self._slots.entries(index))
             # The trainer refills this slot as soon as it has the ACK: finish reading first.
             self._streams.synchronize(timeout_s=self._options.timeout_s,
                                       what=f"loading buffer {index}")
@@ -266,7 +272,7 @@ class IpcReceiver(RefitReceiver):
             return ["verification requested but the digest table is missing or malformed"]
         expected = torch.frombuffer(bytearray(message.blobs[0]), dtype=torch.int64).view(
             -1, DIGEST_WORDS)
-        failure = verify_engine_weights(engine, plan.names, expected.to(self._streams.device))
+        failure = verify_engine_weights(engine, plan.specs(), expected.to(self._streams.device))
         state.telemetry.verify_s = time.perf_counter() - started
         state.telemetry.verified = failure is None
         return [failure] if failure is not None else []

@@ -45,12 +45,28 @@ HEADER_BYTES = 64
 
 
 @dataclass(frozen=True)
+class Region:
+    """Where a piece sits in its named tensor: ``[start, start + piece.shape[dim])`` along ``dim``,
+    whose full size there is ``full`` (the other dimensions are whole)."""
+
+    dim: int
+    start: int
+    full: int
+
+    def narrow(self, tensor: torch.Tensor, length: int) -> torch.Tensor:
+        """The piece's place in ``tensor`` (the whole named tensor)."""
+        return tensor.narrow(self.dim, self.start, length)
+
+
+@dataclass(frozen=True)
 class TensorSpec:
-    """Name, shape and dtype of one exported tensor."""
+    """Name, shape and dtype of one exported tensor, or of a piece of it (``region``: a rank
+    that holds a tensor-parallel shard sends the piece it holds)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    region: Region | None = None
 
     @property
     def numel(self) -> int:
@@ -62,6 +78,15 @@ class TensorSpec:
     @property
     def num_bytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def label(self) -> str:
+        """The name, with the piece's place when it is a piece (for messages)."""
+        if self.region is None:
+            return self.name
+        region = self.region
+        return (f"{self.name}[dim {region.dim}: {region.start}:"
+                f"{region.start + self.shape[region.dim]} of {region.full}]")
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
@@ -180,11 +205,14 @@ class RefitPlan:
 
     @cached_property
     def names(self) -> tuple[str, ...]:
+        """Every entry's tensor name, in plan order (a tensor sent in pieces appears once per
+        piece)."""
         return tuple(t.spec.name for t in self.tensors)
 
     def buffer_names(self, buffer_index: int) -> tuple[str, ...]:
+        """The labels of the buffer's entries (names, with the place of pieces)."""
         buffer = self.buffers[buffer_index]
-        return self.names[buffer.first_tensor:buffer.stop_tensor]
+        return tuple(t.spec.label for t in self.tensors[buffer.first_tensor:buffer.stop_tensor])
 
     def specs(self) -> list[TensorSpec]:
         return [t.spec for t in self.tensors]
@@ -202,8 +230,7 @@ class RefitPlan:
             "num_slots": self.num_slots,
             "alignment_bytes": self.alignment_bytes,
             "header_bytes": self.header_bytes,
-            "specs": [[t.spec.name, list(t.spec.shape), dtype_name(t.spec.dtype)]
-                      for t in self.tensors],
+            "specs": [_spec_json(t.spec) for t in self.tensors],
             "sources": self.tensor_sources(),
         }, separators=(",", ":"))
 
@@ -263,9 +290,7 @@ def plan_from_json(text: str) -> RefitPlan:
         version = data["version"]
         if version != PLAN_FORMAT_VERSION:
             raise ValueError(f"plan format version {version}, expected {PLAN_FORMAT_VERSION}")
-        specs = [TensorSpec(name=name, shape=tuple(int(d) for d in shape),
-                            dtype=dtype_from_name(dtype))
-                 for name, shape, dtype in data["specs"]]
+        specs = [_spec_from_json(spec) for spec in data["specs"]]
         plan = build_plan(specs, slot_bytes=int(data["slot_bytes"]),
                           num_slots=int(data["num_slots"]),
                           alignment_bytes=int(data["alignment_bytes"]),
@@ -347,8 +372,7 @@ def _canonical_json(plan: RefitPlan) -> str:
         "num_slots": plan.num_slots,
         "alignment_bytes": plan.alignment_bytes,
         "header_bytes": plan.header_bytes,
-        "tensors": [[t.spec.name, list(t.spec.shape), dtype_name(t.spec.dtype), t.buffer_index,
-                     t.offset_bytes] for t in plan.tensors],
+        "tensors": [[*_spec_json(t.spec), t.buffer_index, t.offset_bytes] for t in plan.tensors],
         "buffers": [[b.source, b.slot, b.receiver_slot, b.first_tensor, b.stop_tensor,
                      b.wire_bytes, b.oversized] for b in plan.buffers],
     }, separators=(",", ":"))
@@ -369,16 +393,46 @@ def _check_layout_args(*, slot_bytes: int, num_slots: int, alignment_bytes: int,
         )
 
 
+def _spec_json(spec: TensorSpec) -> list:
+    region = spec.region
+    return [spec.name, list(spec.shape), dtype_name(spec.dtype),
+            None if region is None else [region.dim, region.start, region.full]]
+
+
+def _spec_from_json(data: list) -> TensorSpec:
+    name, shape, dtype, region = data
+    return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype_from_name(dtype),
+                      region=None if region is None else Region(*(int(v) for v in region)))
+
+
 def _check_specs(specs: Sequence[TensorSpec]) -> None:
+    """Every tensor once: a whole tensor, or pieces that cover it exactly once."""
     if not specs:
         raise ValueError("a refit plan needs at least one tensor; the weight source is empty")
-    seen: set[str] = set()
+    pieces: dict[str, list[TensorSpec]] = {}
     for spec in specs:
-        if spec.name in seen:
-            raise ValueError(f"tensor name {spec.name!r} appears twice in the weight source")
-        seen.add(spec.name)
         if any(d < 0 for d in spec.shape):
-            raise ValueError(f"tensor {spec.name!r} has a negative dimension: {spec.shape}")
+            raise ValueError(f"tensor {spec.label!r} has a negative dimension: {spec.shape}")
+        pieces.setdefault(spec.name, []).append(spec)
+    for name, parts in pieces.items():
+        if len(parts) == 1 and parts[0].region is None:
+            continue
+        if any(p.region is None for p in parts):
+            raise ValueError(f"tensor name {name!r} appears twice in the weight source")
+        dims = {(p.region.dim, p.region.full) for p in parts}
+        if len(dims) != 1:
+            raise ValueError(f"the pieces of {name!r} disagree on their dimension and size")
+        dim, full = dims.pop()
+        covered = sorted((p.region.start, p.region.start + p.shape[dim]) for p in parts)
+        cursor = 0
+        for start, stop in covered:
+            if start != cursor:
+                raise ValueError(f"the pieces of {name!r} overlap or leave a gap at {cursor} "
+                                 f"along dim {dim}")
+            cursor = stop
+        if cursor != full:
+            raise ValueError(f"the pieces of {name!r} cover {cursor} of its {full} along dim "
+                             f"{dim}")
 
 
 def _align_up(value: int, alignment: int) -> int:

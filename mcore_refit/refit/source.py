@@ -19,13 +19,39 @@ deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from mcore_refit.refit.plan import PlannedBuffer, RefitPlan, TensorSpec
+
+
+@dataclass(frozen=True)
+class Piecewise:
+    """A tensor made of runs of other tensors along one dimension, never copied into one.
+
+    A source yields it where an exported tensor's elements lie apart in the parameter (the
+    query rows of each key-value group inside a fused QKV shard): ``runs[i]`` fills
+    ``[offsets[i], offsets[i] + runs[i].shape[dim])`` of it along ``dim``. Packing copies each
+    run straight into the buffer.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dim: int
+    offsets: Sequence[int]
+    runs: Sequence[torch.Tensor]
+
+    def copy_pairs(self, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(destinations, sources)``: where in ``out`` (this tensor's place) each run goes."""
+        return ([out.narrow(self.dim, offset, run.shape[self.dim])
+                 for offset, run in zip(self.offsets, self.runs, strict=True)], list(self.runs))
+
+    def materialize(self) -> torch.Tensor:
+        """A contiguous copy (verification only: it allocates)."""
+        return torch.cat(list(self.runs), dim=self.dim)
 
 
 @dataclass(frozen=True)
@@ -47,9 +73,9 @@ class RefitPass(Protocol):
         """This rank's part in preparing ``buffer`` (may be a collective with its source)."""
         ...
 
-    def own_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors of the buffers this rank is the source of, in plan order; a tensor is
-        valid until the next one is requested."""
+    def own_weights(self) -> Iterator[tuple[str, torch.Tensor | Piecewise]]:
+        """The tensors (or pieces) of the buffers this rank is the source of, in plan order; a
+        tensor is valid until the next one is requested."""
         ...
 
 

@@ -16,11 +16,18 @@ from tests.launch import REPO_ROOT, run_torchrun
 SCENARIO = REPO_ROOT / "tests" / "dist" / "scenarios" / "refit_layouts.py"
 
 
-def _run(tmp_path, *, nproc: int, placement: str, layouts: list[str], timeout_s: float) -> dict:
+def _run(tmp_path, *, nproc: int, placement: str, layouts: list[str], timeout_s: float,
+         no_probe: tuple[str, ...] = ()) -> dict:
     out = tmp_path / "results.json"
     run_torchrun(SCENARIO, "--workdir", str(tmp_path), "--out", str(out), "--placement",
-                 placement, "--layouts", *layouts, nproc=nproc, timeout_s=timeout_s)
+                 placement, "--layouts", *layouts, "--no-probe", *no_probe, nproc=nproc,
+                 timeout_s=timeout_s)
     return json.loads(out.read_text())
+
+
+def _kinds(results: dict) -> set[str]:
+    return {kind for ranks in results.values() for result in ranks.values()
+            for kind in result.get("kinds", {})}
 
 
 def _check_receiving(results: dict, *, sources: list[int]) -> None:
@@ -47,6 +54,7 @@ def test_non_colocated_two_trainer_ranks(tmp_path):
     for ranks in results.values():
         assert set(ranks) == {"rank0", "rank1", "rank2"} and len(ranks["rank2"]["checks"]) == 2
     _check_receiving(results, sources=[0, 1])
+    assert _kinds(results) == {"compiled"}  # every standard mapping only moves rows
 
 
 @pytest.mark.timeout(420)
@@ -55,6 +63,20 @@ def test_colocated_two_trainer_ranks(tmp_path):
     results = _run(tmp_path, nproc=2, placement="colocated", layouts=layouts, timeout_s=400)
     assert sorted(results) == sorted(layouts)
     _check_receiving(results, sources=[0, 1])
+    assert _kinds(results) == {"compiled"}
+
+
+@pytest.mark.timeout(300)
+def test_conversions_that_are_not_row_moves(tmp_path):
+    """Without the row probe for QKV (as for a mapping that does arithmetic), QKV tensors take
+    Bridge's full export at TP2 (sharded: the other ranks read it in step) and Bridge's
+    conversion on their own rank at PP2; still bitwise."""
+    results = _run(tmp_path, nproc=3, placement="non_colocated",
+                   layouts=["llama8_tp2", "llama8_pp2"], timeout_s=280, no_probe=("QKVMapping",))
+    _check_receiving(results, sources=[0, 1])
+    tp2 = {k for r in results["llama8_tp2"].values() for k in r.get("kinds", {})}
+    pp2 = {k for r in results["llama8_pp2"].values() for k in r.get("kinds", {})}
+    assert tp2 == {"compiled", "fallback"} and pp2 == {"compiled", "converted"}
 
 
 @pytest.mark.timeout(480)

@@ -52,10 +52,10 @@ def test_pack_unpack_round_trip_is_bitwise(num_slots, buffer_bytes, batched):
         slots.pack_from(buffer.index, reader, batched=batched)
         # Views are zero-copy: they live inside the buffer's slot.
         slot = slots.slot_of(buffer.index)
-        for name, view in slots.named_views(buffer.index):
+        for spec, view in slots.entries(buffer.index):
             if view.numel():
                 assert slot.data_ptr() <= view.data_ptr() < slot.data_ptr() + slot.numel()
-            received[name] = view.clone()  # the slot is reused by later buffers
+            received[spec.name] = view.clone()  # the slot is reused by later buffers
     assert [s.data_ptr() for s in slots.slots] == storages  # nothing reallocated
     assert reader.extra() is None
     assert list(received) == [n for n, _ in named]
@@ -170,3 +170,34 @@ def test_tensor_digest_is_exact_and_position_sensitive():
         assert torch.equal(digester.digest(tensor), digester.digest(tensor.clone()))
     table = digester.table([x, swapped])
     assert mismatched_names(["a", "b"], table, digester.table([x, x])) == ["b"]
+
+
+def test_pieces_pack_from_runs_and_load_into_their_regions():
+    """A tensor sent in two pieces (two TP shards), one made of runs that lie apart in its
+    parameter (like the query rows of a fused QKV shard): packed without an intermediate copy,
+    loaded into the right rows, checked against the plan."""
+    from mcore_refit.refit.engines import TensorDictEngine
+    from mcore_refit.refit.plan import Region
+    from mcore_refit.refit.source import Piecewise
+    from mcore_refit.refit.transport import load_into
+
+    full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    fused = torch.cat([full[0:2], torch.full((1, 3), -1.0), full[2:4]])  # rows 0-1, junk, 2-3
+    first = Piecewise(shape=(4, 3), dtype=torch.float32, dim=0, offsets=[0, 2],
+                      runs=[fused[0:2], fused[3:5]])
+    specs = [TensorSpec("w", (4, 3), torch.float32, region=Region(dim=0, start=0, full=8)),
+             TensorSpec("w", (4, 3), torch.float32, region=Region(dim=0, start=4, full=8))]
+    plan = build_plan(specs, slot_bytes=4096, num_slots=1)
+    engine = TensorDictEngine.from_specs(specs, device=CPU)
+    assert engine.get_weight("w").shape == (8, 3)
+    for batched in (False, True):
+        engine.get_weight("w").zero_()
+        slots = BufferSlots.allocate(plan, CPU)
+        slots.pack_from(0, SourceReader(plan, iter([("w", first), ("w", full[4:8])])),
+                        batched=batched)
+        load_into(engine, slots.entries(0))
+        assert torch.equal(engine.get_weight("w"), full), batched
+    with pytest.raises(ValueError, match=r"weight 'w': received a piece \(4, 2\)"):
+        engine.load_weight_pieces([("w", torch.zeros(4, 2), specs[0].region)])
+    with pytest.raises(ValueError, match="the pieces of 'w' cover 4 of its 8 along dim 0"):
+        build_plan(specs[:1], slot_bytes=4096, num_slots=1)
