@@ -61,10 +61,19 @@ def installed_patches() -> tuple[str, ...]:
 
 
 def install() -> None:
-    """Install the bridge import hook and, without CUDA, the CPU patches. Idempotent."""
+    """Install the bridge import hook and, without CUDA, the CPU patches. Idempotent.
+
+    Raises ``ImportError`` saying how to install megatron-bridge when it is missing (it cannot be
+    a declared dependency of this package; see ``pyproject.toml``).
+    """
     with _install_lock:
         if _installed:
             return
+        if importlib.util.find_spec("megatron.bridge") is None:
+            raise ImportError(
+                "megatron-bridge is not installed; install it without its declared dependencies "
+                "(CUDA-only builds): pip install --no-deps -r requirements-nodeps.txt "
+                "(megatron-bridge==0.6.2)")
         if not te_available():
             _install_bridge_import_hook()
             _installed.append("bridge: lora_layers without transformer_engine")

@@ -18,12 +18,18 @@ from mcore_refit.config import ParallelConfig
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedContext:
-    """Where this process sits in the job."""
+    """Where this process sits in the job.
+
+    ``control_group`` is a gloo group over the same ranks as the default group (the default
+    group itself when that is gloo): waits for peers go over it, on the host, so a waiting rank
+    holds no GPU kernel (which would time-slice with another process on its GPU).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    control_group: dist.ProcessGroup
 
     @property
     def is_cuda(self) -> bool:
@@ -44,15 +50,16 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int,
         raise RuntimeError("torch.distributed is already initialised in this process")
     device = _device_for(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank,
-                              device=device)
+                              device=device, control_group=_control_group(device, timeout))
 
 
 def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
@@ -204,7 +211,7 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
                                           size=1 + num_inference_ranks,
                                           device=torch.device("cpu"), timeout=timeout)
     context = DistributedContext(rank=role_rank, world_size=role_size, local_rank=local_rank,
-                                 device=device)
+                                 device=device, control_group=_control_group(device, timeout))
     return SplitJob(role=role, context=context, global_rank=rank,
                     num_trainer_ranks=num_trainer_ranks, num_inference_ranks=num_inference_ranks,
                     placement=placement, refit_control=refit_control, data_groups=data_groups,
@@ -242,6 +249,13 @@ def _inference_device_index(inference_rank: int, *, num_trainer_ranks: int,
         raise ValueError(f"{num_inference_ranks} inference ranks need GPUs other than trainer rank "
                          f"0's, but this node has {num_gpus}")
     return num_gpus - num_inference_ranks + inference_rank
+
+
+def _control_group(device: torch.device, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo group over the default group's ranks (collective: every rank of it calls this)."""
+    if device.type != "cuda":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _device_for(local_rank: int) -> torch.device:

@@ -88,10 +88,14 @@ class TransportOptions:
     ipc_dir: str | None = None
     # Record peak device memory per refit (resets the device's peak-memory counter each refit).
     track_peak_memory: bool = True
+    # While waiting on a peer process (an engine's reply), check this often that it still lives:
+    # a dead peer is an error within this many seconds, not after the timeout.
+    liveness_s: float = 2.0
 
     def __post_init__(self) -> None:
         _require_positive_seconds("timeout_s", self.timeout_s)
         _require_positive_seconds("start_timeout_s", self.start_timeout_s)
+        _require_positive_seconds("liveness_s", self.liveness_s)
 
 
 @dataclass(frozen=True, kw_only=True)

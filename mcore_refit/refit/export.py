@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -50,8 +50,8 @@ from mcore_refit.refit.plan import (
     RefitPlan,
     Region,
     TensorSpec,
-    dtype_from_name,
-    dtype_name,
+    spec_from_json,
+    spec_to_json,
 )
 from mcore_refit.refit.source import Piecewise, SourceLayout
 
@@ -154,17 +154,21 @@ class ModelExport:
     """A refit source over Megatron model chunks (see the module docstring).
 
     ``control`` is a gloo group over all trainer ranks (its ranks are the trainer ranks and the
-    plan's sources); ``prefer`` names trainer ranks to make sources where there is a choice.
+    plan's sources); ``prefer`` names trainer ranks to make sources where there is a choice;
+    ``guard()`` runs before every pass and raises when the weights may not be read now (a policy
+    whose weights are offloaded).
     """
 
     def __init__(self, model, *, control: ControlGroup, device: torch.device,
-                 prefer: Collection[int] = ()) -> None:
+                 prefer: Collection[int] = (), guard: Callable[[], None] | None = None) -> None:
         self._model = model
+        self._guard = guard
         self._control = control
         self._device = torch.device(device)
         self._prefer = frozenset(prefer)
         self.rank = control.rank
         self._logged: set[str] = set()
+        self._param_ids = self._parameter_ids()
         self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
         self._layout: ExportLayout | None = None
 
@@ -191,8 +195,34 @@ class ModelExport:
         return self._layout
 
     def begin(self, plan: RefitPlan) -> ExportPass:
-        """One refit's pass over the weights. Collective over the trainer ranks."""
+        """One refit's pass over the weights. Collective over the trainer ranks.
+
+        Compiled tensors are views of the ``Parameter`` objects seen at construction, which
+        follow in-place updates and ``.data`` moves. If any rank replaced a parameter object
+        since, every rank describes its tasks again; a layout that changed with it is an error
+        (the plan no longer matches the model).
+        """
+        if self._guard is not None:
+            self._guard()
+        current = self._parameter_ids()
+        if any(self._control.all_gather_json(current != self._param_ids,
+                                             what="whether a trainer rank replaced a parameter")):
+            self._rebuild(current)
         return ExportPass(self, plan)
+
+    def _parameter_ids(self) -> tuple[int, ...]:
+        return tuple(id(p) for p in self._model.parameters())
+
+    def _rebuild(self, param_ids: tuple[int, ...]) -> None:
+        before = self.assignment()
+        self._param_ids = param_ids
+        self._model.conversion_tasks(rebuild=True)  # the fallback tensors' full export
+        self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
+        self._layout = None
+        after = self.assignment()
+        if (after.specs, after.sources) != (before.specs, before.sources):
+            raise RuntimeError("replacing the model's parameters changed what the trainer ranks "
+                               "export (shapes, dtypes or owners); build a new plan and refitter")
 
     # --- dry runs -------------------------------------------------------------------------
 
@@ -474,24 +504,12 @@ def _fallback_counts(layout: ExportLayout, plan: RefitPlan) -> dict[int, int]:
 def _report(key: str, local: _LocalTask) -> dict:
     return {"key": key, "kind": local.kind,
             "shard_ranks": None if local.shard_ranks is None else list(local.shard_ranks),
-            "outputs": [_spec_json(o.spec) for o in local.outputs]}
+            "outputs": [spec_to_json(o.spec) for o in local.outputs]}
 
 
 def _parse_report(data: dict) -> dict:
     return {"key": data["key"], "kind": data["kind"], "shard_ranks": data["shard_ranks"],
-            "outputs": tuple(_spec_from_json(o) for o in data["outputs"])}
-
-
-def _spec_json(spec: TensorSpec) -> list:
-    region = spec.region
-    return [spec.name, list(spec.shape), dtype_name(spec.dtype),
-            None if region is None else [region.dim, region.start, region.full]]
-
-
-def _spec_from_json(data: list) -> TensorSpec:
-    name, shape, dtype, region = data
-    return TensorSpec(name=name, shape=tuple(shape), dtype=dtype_from_name(dtype),
-                      region=None if region is None else Region(*region))
+            "outputs": tuple(spec_from_json(o) for o in data["outputs"])}
 
 
 class BridgeExport:
@@ -500,12 +518,14 @@ class BridgeExport:
     Every trainer rank yields every full tensor (Bridge's pipeline broadcast and tensor-parallel
     all-gather per tensor); trainer rank 0 is the source of every buffer and the other trainer
     ranks read the export in step with it (in ``exchange``). The refit benchmark measures it as
-    ``bridge_export``; its specs come from one export pass.
+    ``bridge_export``; its specs come from one export pass. ``control`` is a gloo group over the
+    trainer ranks.
     """
 
-    def __init__(self, model, *, rank: int) -> None:
+    def __init__(self, model, *, control: ControlGroup) -> None:
         self._model = model
-        self._rank = rank
+        self._control = control
+        self._rank = control.rank
         self._specs: list[TensorSpec] | None = None
 
     def layout(self) -> SourceLayout:
@@ -515,7 +535,11 @@ class BridgeExport:
         return SourceLayout(specs=list(self._specs), sources=[0] * len(self._specs))
 
     def begin(self, plan: RefitPlan) -> _BridgePass:
-        return _BridgePass(self._model.export_hf_weights(), rank=self._rank)
+        """One export pass (collective over the trainer ranks); Bridge's conversion tasks are
+        built again when any rank replaced a parameter object."""
+        replaced = any(self._control.all_gather_json(
+            self._model.parameters_replaced(), what="whether a trainer rank replaced a parameter"))
+        return _BridgePass(self._model.export_hf_weights(rebuild=replaced), rank=self._rank)
 
 
 class _BridgePass:

@@ -25,6 +25,7 @@ the slots are shared-memory files, so the same protocol runs in tests without a 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,16 +74,21 @@ class IpcSender(RefitSender):
 
     ``cpu_device_id`` names the device on CPU (tests, demos); on GPU the UUID is used.
     :attr:`address` is what the engine process connects to. ``trainers`` is a group over the
-    trainer ranks when several of them hold parts of the model (``rank``: this rank in it).
+    trainer ranks when several of them hold parts of the model (``rank``: this rank in it), and
+    ``control`` a gloo group over them. ``peer_alive()`` says what happened to the engine process
+    once it is gone (None while it lives): waits on the engine check it every
+    ``options.liveness_s``.
     """
 
     transport_name = "ipc"
 
     def __init__(self, *, plan: RefitPlan, device: torch.device, options: TransportOptions,
                  cpu_device_id: str | None = None, trainers: dist.ProcessGroup | None = None,
-                 control: ControlGroup | None = None, rank: int = 0) -> None:
+                 control: ControlGroup | None = None, rank: int = 0,
+                 peer_alive: Callable[[], str | None] | None = None) -> None:
         super().__init__(plan=plan)
         self._options = options
+        self._peer_alive = peer_alive
         self._streams = DeviceStreams(device)
         self._rank = rank
         self._trainers = (GroupCollectives(group=trainers, streams=self._streams)
@@ -326,7 +332,7 @@ class IpcSender(RefitSender):
     def _send(self, message: Message, *, what: str) -> None:
         timeout_s = (self._options.start_timeout_s if isinstance(message, Hello)
                      else self._options.timeout_s)
-        if not self._socket.poll(int(timeout_s * 1000), zmq.POLLOUT):
+        if not self._poll(zmq.POLLOUT, timeout_s=timeout_s, what=f"the engine to take {what}"):
             self._engine_ready = False
             raise RefitTimeout(f"timed out after {timeout_s:g} s waiting to send {what} to the "
                                f"engine at {self.address}: no engine process is connected")
@@ -335,7 +341,7 @@ class IpcSender(RefitSender):
     def _receive(self, expect: type[Message], *, timeout_s: float, what: str,
                  refusal: bool = False) -> Message:
         """The engine's reply: of type ``expect``, or an :class:`Error` when ``refusal``."""
-        if not self._socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+        if not self._poll(zmq.POLLIN, timeout_s=timeout_s, what=what):
             self._engine_ready = False
             raise RefitTimeout(f"timed out after {timeout_s:g} s waiting for {what} at "
                                f"{self.address}; is the engine process alive?")
@@ -350,3 +356,20 @@ class IpcSender(RefitSender):
             raise RefitError(f"the engine replied with an error to {what}: {reply.message}")
         raise RefitError(f"expected {expect.KIND} for {what}, got {reply.KIND}")
 
+    def _poll(self, event: int, *, timeout_s: float, what: str) -> bool:
+        """Wait up to ``timeout_s`` for ``event`` on the socket, checking every
+        ``options.liveness_s`` that the engine process lives (:class:`RefitError` naming what
+        happened to it, if not)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            step = left if self._peer_alive is None else min(left, self._options.liveness_s)
+            if self._socket.poll(max(0, int(step * 1000)), event):
+                return True
+            if self._peer_alive is not None:
+                problem = self._peer_alive()
+                if problem is not None:
+                    self._engine_ready = False
+                    raise RefitError(f"{problem} while the trainer waited for {what}")
+            if time.monotonic() >= deadline:
+                return False

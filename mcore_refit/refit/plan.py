@@ -230,7 +230,7 @@ class RefitPlan:
             "num_slots": self.num_slots,
             "alignment_bytes": self.alignment_bytes,
             "header_bytes": self.header_bytes,
-            "specs": [_spec_json(t.spec) for t in self.tensors],
+            "specs": [spec_to_json(t.spec) for t in self.tensors],
             "sources": self.tensor_sources(),
         }, separators=(",", ":"))
 
@@ -290,7 +290,7 @@ def plan_from_json(text: str) -> RefitPlan:
         version = data["version"]
         if version != PLAN_FORMAT_VERSION:
             raise ValueError(f"plan format version {version}, expected {PLAN_FORMAT_VERSION}")
-        specs = [_spec_from_json(spec) for spec in data["specs"]]
+        specs = [spec_from_json(spec) for spec in data["specs"]]
         plan = build_plan(specs, slot_bytes=int(data["slot_bytes"]),
                           num_slots=int(data["num_slots"]),
                           alignment_bytes=int(data["alignment_bytes"]),
@@ -372,7 +372,7 @@ def _canonical_json(plan: RefitPlan) -> str:
         "num_slots": plan.num_slots,
         "alignment_bytes": plan.alignment_bytes,
         "header_bytes": plan.header_bytes,
-        "tensors": [[*_spec_json(t.spec), t.buffer_index, t.offset_bytes] for t in plan.tensors],
+        "tensors": [[*spec_to_json(t.spec), t.buffer_index, t.offset_bytes] for t in plan.tensors],
         "buffers": [[b.source, b.slot, b.receiver_slot, b.first_tensor, b.stop_tensor,
                      b.wire_bytes, b.oversized] for b in plan.buffers],
     }, separators=(",", ":"))
@@ -393,13 +393,13 @@ def _check_layout_args(*, slot_bytes: int, num_slots: int, alignment_bytes: int,
         )
 
 
-def _spec_json(spec: TensorSpec) -> list:
+def spec_to_json(spec: TensorSpec) -> list:
     region = spec.region
     return [spec.name, list(spec.shape), dtype_name(spec.dtype),
             None if region is None else [region.dim, region.start, region.full]]
 
 
-def _spec_from_json(data: list) -> TensorSpec:
+def spec_from_json(data: list) -> TensorSpec:
     name, shape, dtype, region = data
     return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype_from_name(dtype),
                       region=None if region is None else Region(*(int(v) for v in region)))

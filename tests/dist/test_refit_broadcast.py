@@ -33,7 +33,7 @@ from mcore_refit.refit import (
 from mcore_refit.refit.config import PlanConfig, TransportOptions
 from mcore_refit.refit.plan import TensorSpec
 from mcore_refit.refit.source import SourceLayout
-from mcore_refit.refit.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
+from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from tests.ranks import run_ranks
 from tests.tensors import bits
 

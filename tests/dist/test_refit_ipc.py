@@ -33,7 +33,7 @@ from mcore_refit.refit import (
 )
 from mcore_refit.refit.config import PlanConfig, TransportOptions
 from mcore_refit.refit.ipc_memory import private_runtime_dir
-from mcore_refit.refit.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
+from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from mcore_refit.refit.wire import BufferReady, decode, encode
 from tests.tensors import bits
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mcore_refit.bench.synthetic import SyntheticWeightSource, tiny_mixed_specs
 from mcore_refit.refit.buffers import (
     HEADER_WORDS,
     BufferHeader,
@@ -13,7 +14,6 @@ from mcore_refit.refit.buffers import (
 )
 from mcore_refit.refit.checksum import TensorDigester, buffer_checksum, mismatched_names
 from mcore_refit.refit.plan import TensorSpec, build_plan
-from mcore_refit.refit.synthetic import SyntheticWeightSource, tiny_mixed_specs
 from tests.tensors import bits
 
 CPU = torch.device("cpu")

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from mcore_refit.bench.synthetic import TensorListSource
 from mcore_refit.distributed import Placement
 from mcore_refit.refit import (
     HFModelEngine,
@@ -24,7 +25,6 @@ from mcore_refit.refit import (
 )
 from mcore_refit.refit.config import PlanConfig, TransportOptions
 from mcore_refit.refit.receiver import BroadcastInitInfo
-from mcore_refit.refit.synthetic import TensorListSource
 
 CPU = torch.device("cpu")
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
+from mcore_refit.bench.synthetic import synthetic_specs
 from mcore_refit.refit.plan import HEADER_BYTES, TensorSpec, build_plan, plan_from_json
-from mcore_refit.refit.synthetic import synthetic_specs
 
 
 def spec(name, shape, dtype=torch.float32):
