@@ -1,6 +1,6 @@
 """Compatibility layer for the pinned stack: the one place that patches third-party code.
 
-Two independent concerns live here:
+Three independent concerns live here:
 
 1. ``megatron.bridge`` without transformer-engine. ``megatron/bridge/peft/lora_layers.py`` (line 20)
    does ``import transformer_engine.pytorch as te`` at module level; TE is needed there only for
@@ -12,6 +12,9 @@ Two independent concerns live here:
    hard-codes CUDA in a handful of places; each patch below names the upstream lines it works
    around. They are installed only when ``torch.cuda.is_available()`` is false, so GPU runs execute
    unpatched upstream code.
+
+3. The refit export's tensor-parallel gather (:func:`pregathered_tp_shards`), active only around
+   one conversion step at a time.
 
 Call :func:`install` once per process before importing ``megatron.bridge`` (``mcore_refit.model``
 does). It is idempotent.
@@ -58,10 +61,19 @@ def installed_patches() -> tuple[str, ...]:
 
 
 def install() -> None:
-    """Install the bridge import hook and, without CUDA, the CPU patches. Idempotent."""
+    """Install the bridge import hook and, without CUDA, the CPU patches. Idempotent.
+
+    Raises ``ImportError`` saying how to install megatron-bridge when it is missing (it cannot be
+    a declared dependency of this package; see ``pyproject.toml``).
+    """
     with _install_lock:
         if _installed:
             return
+        if importlib.util.find_spec("megatron.bridge") is None:
+            raise ImportError(
+                "megatron-bridge is not installed; install it without its declared dependencies "
+                "(CUDA-only builds): pip install --no-deps -r requirements-nodeps.txt "
+                "(megatron-bridge==0.6.2)")
         if not te_available():
             _install_bridge_import_hook()
             _installed.append("bridge: lora_layers without transformer_engine")
@@ -250,3 +262,34 @@ class _HostStream:
 
     def record_event(self, event=None):
         return event
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Megatron-Bridge's per-tensor TP gather, pointed at shards collected per buffer
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pregathered_tp_shards(shards_of):
+    """While active, Megatron-Bridge's tensor-parallel gather returns shards collected earlier.
+
+    ``MegatronParamMapping.gather_from_tp_ranks`` (megatron/bridge/models/conversion/
+    param_mapping.py:618, megatron-bridge 0.6.2; no mapping class overrides it) all-gathers one
+    tensor over the TP group per call. The refit export collects the shards of a whole buffer in
+    one exchange per peer instead: ``shards_of(mapping, tensor)`` returns every TP rank's shard
+    of ``tensor`` in TP-rank order, or ``None`` for a tensor it did not collect, which is then
+    gathered as upstream does.
+    """
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+
+    original = MegatronParamMapping.gather_from_tp_ranks
+
+    def gather_from_tp_ranks(self, tensor):
+        shards = shards_of(self, tensor) if self.tp_size > 1 else None
+        return shards if shards is not None else original(self, tensor)
+
+    MegatronParamMapping.gather_from_tp_ranks = gather_from_tp_ranks
+    try:
+        yield
+    finally:
+        MegatronParamMapping.gather_from_tp_ranks = original

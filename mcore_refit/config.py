@@ -23,8 +23,6 @@ from typing import Any, Literal
 
 import yaml
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 class ConfigError(ValueError):
     """A bad config value; keys in the message are written in backticks, relative to the section
@@ -41,6 +39,8 @@ class ConfigError(ValueError):
         if not path:
             return self
         return ConfigError(self._KEY.sub(lambda m: f"`{path}.{m.group(1)}`", self.template))
+
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 LayerSpec = Literal["auto", "te", "local"]
 
@@ -56,21 +56,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _require_positive("parallel.tensor", self.tensor)
-        _require_positive("parallel.pipeline", self.pipeline)
+        _require_positive("tensor", self.tensor)
+        _require_positive("pipeline", self.pipeline)
         if self.virtual_pipeline is not None:
-            _require_positive("parallel.virtual_pipeline", self.virtual_pipeline)
+            _require_positive("virtual_pipeline", self.virtual_pipeline)
             if self.pipeline == 1:
-                raise ValueError(
-                    f"parallel.virtual_pipeline={self.virtual_pipeline} needs "
-                    "parallel.pipeline > 1; "
-                    "set parallel.virtual_pipeline: null or raise parallel.pipeline"
-                )
+                raise ConfigError(
+                    f"`virtual_pipeline`={self.virtual_pipeline} needs `pipeline` > 1; set "
+                    "`virtual_pipeline`: null or raise `pipeline`")
         if self.sequence_parallel and self.tensor == 1:
-            raise ValueError(
-                "parallel.sequence_parallel=true needs parallel.tensor > 1; "
-                "set parallel.sequence_parallel: false"
-            )
+            raise ConfigError("`sequence_parallel`=true needs `tensor` > 1; set "
+                              "`sequence_parallel`: false")
 
     @property
     def num_model_chunks(self) -> int:
@@ -128,7 +124,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.hf_path:
-            raise ValueError("model.hf_path must name a Hugging Face checkpoint directory")
+            raise ConfigError("`hf_path` must name a Hugging Face checkpoint directory")
 
     @property
     def torch_dtype(self):
@@ -145,14 +141,14 @@ class ModelConfig:
 def from_dict[T](cls: type[T], data: Any, *, path: str = "") -> T:
     """Build the dataclass ``cls`` from plain data, recursing into nested dataclass fields.
 
-    Raises ``ValueError`` naming the dotted key for unknown keys, missing required keys and values
-    of the wrong type.
+    Raises :class:`ConfigError` naming the dotted key for unknown, renamed and missing keys,
+    values of the wrong type, and values a section rejects.
     """
     where = path if path else "the config"
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     renamed = getattr(cls, "RENAMED_KEYS", {})
@@ -161,14 +157,14 @@ def from_dict[T](cls: type[T], data: Any, *, path: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = _join(path, str(unknown[0]))
-        raise ValueError(f"unknown config key '{key}' (known keys: {', '.join(sorted(fields))})")
+        raise ConfigError(f"unknown config key '{key}' (known keys: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, field in fields.items():
         key = _join(path, name)
         if name in data:
             kwargs[name] = _convert(hints[name], data[name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ValueError(f"missing required config key '{key}'")
+            raise ConfigError(f"missing required config key '{key}'")
     try:
         return cls(**kwargs)
     except ConfigError as error:
@@ -189,28 +185,23 @@ def load_config[T](cls: type[T], path: str | Path | None = None,
         text = Path(path).read_text()
         loaded = yaml.safe_load(text)
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: the top level of a config file must be a mapping")
+            raise ConfigError(f"{path}: the top level of a config file must be a mapping")
         data = loaded if loaded is not None else {}
     for override in overrides:
         _apply_override(data, override)
     return from_dict(cls, data)
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """Plain-data form of a config (for logs and result files)."""
-    return dataclasses.asdict(config)
-
-
 def _apply_override(data: dict[str, Any], override: str) -> None:
     key, sep, raw = override.partition("=")
     if not sep or not key:
-        raise ValueError(f"override {override!r} must look like key.sub=value")
+        raise ConfigError(f"override {override!r} must look like key.sub=value")
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ValueError(f"override {override!r}: '{part}' is not a config section")
+            raise ConfigError(f"override {override!r}: '{part}' is not a config section")
         node = child
     node[parts[-1]] = yaml.safe_load(raw)
 
@@ -226,27 +217,27 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if value is None:
             if type(None) in options:
                 return None
-            raise ValueError(f"config key '{key}' must not be null")
+            raise ConfigError(f"config key '{key}' must not be null")
         errors = []
         for option in options:
             if option is type(None):
                 continue
             try:
                 return _convert(option, value, key)
-            except ValueError as error:
+            except ConfigError as error:
                 errors.append(str(error))
-        raise ValueError(errors[0] if len(errors) == 1 else
+        raise ConfigError(errors[0] if len(errors) == 1 else
                          f"config key '{key}' has invalid value {value!r}")
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise ValueError(
+            raise ConfigError(
                 f"config key '{key}' must be one of {', '.join(map(repr, allowed))}, got {value!r}"
             )
         return value
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"config key '{key}' must be a list, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
         (item_hint, *_) = typing.get_args(hint) or (Any,)
         items = [_convert(item_hint, item, f"{key}[{i}]") for i, item in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -256,23 +247,24 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"config key '{key}' must be true or false, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"config key '{key}' must be an integer, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"config key '{key}' must be a number, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ValueError(f"config key '{key}' must be a string, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
         return value
     raise TypeError(f"config key '{key}': unsupported annotation {hint!r}")
 
 
 def _require_positive(key: str, value: int) -> None:
+    """``key`` is relative to the section that checks it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config key '{key}' must be a positive integer, got {value!r}")
+        raise ConfigError(f"`{key}` must be a positive integer, got {value!r}")

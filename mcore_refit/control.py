@@ -89,15 +89,17 @@ class RankFailure(RuntimeError):
     waiting for a peer, with its error and traceback. ``failures`` holds every ``(rank, error)``.
     """
 
-    def __init__(self, what: str, failures: Sequence[tuple[int, Outcome]], *, who: str) -> None:
+    def __init__(self, what: str, failures: Sequence[tuple[int, Outcome]], *,
+                 who: str | Callable[[int], str]) -> None:
+        name_of = who if callable(who) else (lambda rank: f"{who} {rank}")
         ordered = sorted(failures, key=lambda item: (item[1].waited, item[0]))
         self.failures = [(rank, outcome.error) for rank, outcome in ordered]
         rank, first = ordered[0]
         others = ""
         if len(ordered) > 1:
             others = "; also failed: " + ", ".join(
-                f"{who} {r} ({o.error_type})" for r, o in ordered[1:])
-        super().__init__(f"{what} failed on {who} {rank}: {first.error}{others}")
+                f"{name_of(r)} ({o.error_type})" for r, o in ordered[1:])
+        super().__init__(f"{what} failed on {name_of(rank)}: {first.error}{others}")
 
 
 class ControlGroup:
@@ -184,17 +186,34 @@ class ControlGroup:
         self._wait(self.group.recv([buffer], src, tag), what, timeout_s)
         return _decode(buffer.numpy().tobytes(), what)
 
+    def send_words(self, words, *, dst: int, tag: int, what: str) -> PendingWords:
+        """Start sending a few int64 ``words`` to group rank ``dst`` (a fixed-size message the
+        peer receives with :meth:`recv_words`). gloo may hold a send until the peer posts its
+        receive: :meth:`PendingWords.wait` before reusing what was sent."""
+        self._check_rank(dst, "dst")
+        tensor = torch.tensor(list(words), dtype=torch.int64)
+        return PendingWords(self, self.group.send([tensor], dst, tag), tensor, what)
+
+    def recv_words(self, count: int, *, src: int, tag: int, what: str) -> PendingWords:
+        """Start receiving ``count`` int64 words from group rank ``src``; post it before the
+        peer sends, so that its send completes at once."""
+        self._check_rank(src, "src")
+        tensor = torch.zeros(count, dtype=torch.int64)
+        return PendingWords(self, self.group.recv([tensor], src, tag), tensor, what)
+
     def barrier(self, *, what: str, timeout_s: float | None = None) -> None:
         """Wait until every rank of the group reached this call (a host wait)."""
         self.all_gather_bytes(b"", what=what, timeout_s=timeout_s)
 
     # --- outcomes -----------------------------------------------------------------------------
 
-    def share_outcomes(self, outcome: Outcome, *, what: str, who: str = "rank",
+    def share_outcomes(self, outcome: Outcome, *, what: str,
+                       who: str | Callable[[int], str] = "rank",
                        timeout_s: float | None = None) -> list[Any]:
         """Every rank's value, or :class:`RankFailure` on every rank if any rank failed.
 
-        ``who`` names a rank in the error (``"trainer rank"``, ``"inference rank"``).
+        ``who`` names a rank in the error: a word (``"trainer rank"`` gives ``trainer rank 1``)
+        or a function of the group rank.
         """
         shared = self.all_gather_json(outcome.to_json(), what=f"the outcome of {what}",
                                       timeout_s=timeout_s)
@@ -205,7 +224,7 @@ class ControlGroup:
         return [o.value for o in outcomes]
 
     def run_everywhere(self, what: str, action: Callable[..., Any], *args: Any,
-                       who: str = "rank", **kwargs: Any) -> Any:
+                       who: str | Callable[[int], str] = "rank", **kwargs: Any) -> Any:
         """``action(*args, **kwargs)`` here; raise :class:`RankFailure` on every rank if it failed
         on any. Only the failures travel: the result stays local and need not be JSON."""
         outcome = Outcome.of(action, *args, **kwargs)
@@ -229,6 +248,21 @@ class ControlGroup:
     def _check_rank(self, rank: int, role: str) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
             raise ValueError(f"{role}={rank!r} is not a rank of {self.name} (size {self.size})")
+
+
+class PendingWords:
+    """A point-to-point message of int64 words in flight (see :meth:`ControlGroup.send_words`)."""
+
+    def __init__(self, control: ControlGroup, work: dist.Work, tensor: torch.Tensor,
+                 what: str) -> None:
+        self._control, self._work, self._tensor, self._what = control, work, tensor, what
+
+    def wait(self, *, timeout_s: float | None = None) -> list[int]:
+        """Block until the message went (send) or arrived (receive); its words."""
+        if self._work is not None:
+            self._control._wait(self._work, self._what, timeout_s)
+            self._work = None
+        return self._tensor.tolist()
 
 
 def _broadcast_options(src: int) -> dist.BroadcastOptions:

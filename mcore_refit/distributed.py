@@ -6,6 +6,7 @@ Library code never reads the environment; recipes read torchrun's variables and 
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +18,18 @@ from mcore_refit.config import ParallelConfig
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedContext:
-    """Where this process sits in the job."""
+    """Where this process sits in the job.
+
+    ``control_group`` is a gloo group over the same ranks as the default group (the default
+    group itself when that is gloo): waits for peers go over it, on the host, so a waiting rank
+    holds no GPU kernel (which would time-slice with another process on its GPU).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    control_group: dist.ProcessGroup
 
     @property
     def is_cuda(self) -> bool:
@@ -43,15 +50,16 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int,
         raise RuntimeError("torch.distributed is already initialised in this process")
     device = _device_for(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank,
-                              device=device)
+                              device=device, control_group=_control_group(device, timeout))
 
 
 def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
@@ -91,15 +99,54 @@ def shutdown() -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a split job's ranks sit, the same on every rank.
+
+    Job ranks are trainer ranks ``0 .. num_trainers-1`` then inference ranks; ``shared`` holds
+    the ``(trainer rank, inference rank)`` pairs that share a device.
+    """
+
+    num_trainers: int
+    num_receivers: int
+    shared: frozenset[tuple[int, int]] = frozenset()
+
+    def control_rank(self, receiver: int) -> int:
+        return self.num_trainers + receiver
+
+    def name_of(self, control_rank: int) -> str:
+        if control_rank < self.num_trainers:
+            return f"trainer rank {control_rank}"
+        return f"inference rank {control_rank - self.num_trainers}"
+
+    def ipc(self, source: int, receiver: int) -> bool:
+        return (source, receiver) in self.shared
+
+    def ipc_receivers(self, source: int) -> list[int]:
+        return [r for r in range(self.num_receivers) if self.ipc(source, r)]
+
+    def remote_receivers(self, source: int) -> list[int]:
+        """The inference ranks ``source`` broadcasts to (group ranks 1.. of its data group)."""
+        return [r for r in range(self.num_receivers) if not self.ipc(source, r)]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SplitJob:
     """One torchrun launch split into trainer ranks and inference ranks (non-colocated mode).
 
     Each role has its own default process group (``context`` is role-local: rank 0 is the first
     rank of the role), so Megatron's model-parallel state on the trainer ranks never sees the
-    inference ranks. ``refit_group`` (NCCL on GPU) and ``control_group`` (gloo, for small
-    control messages) are standalone process groups of trainer rank 0 (their rank 0) and every
-    inference rank; both are None on the other trainer ranks. Standalone groups are not known to
-    ``torch.distributed``'s world: use their own methods (``rank()``, ``broadcast()``, ...).
+    inference ranks. Groups across roles, all standalone (unknown to ``torch.distributed``'s
+    world: use their own methods, ``rank()``, ``broadcast()``, ...):
+
+    - ``refit_control`` (gloo): every rank, trainer ranks first — the refits' control plane;
+    - ``data_groups`` (NCCL on GPU): per trainer rank, the group it broadcasts refit buffers over
+      (itself as group rank 0, then every inference rank on another device); holds the groups
+      this rank is a member of, by trainer rank;
+    - ``control_group`` (gloo): trainer rank 0 and every inference rank (its rank 0 is trainer
+      rank 0) — commands to the inference ranks; None on the other trainer ranks.
+
+    ``placement`` says which trainer and inference ranks share a device (their buffers move over
+    CUDA IPC: NCCL refuses two ranks of one device in a communicator).
     """
 
     role: str  # "trainer" | "inference"
@@ -107,7 +154,9 @@ class SplitJob:
     global_rank: int
     num_trainer_ranks: int
     num_inference_ranks: int
-    refit_group: dist.ProcessGroup | None
+    placement: Placement
+    refit_control: dist.ProcessGroup
+    data_groups: dict[int, dist.ProcessGroup]
     control_group: dist.ProcessGroup | None
 
     @property
@@ -120,8 +169,8 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
     """Initialise a non-colocated job: the last ``num_inference_ranks`` ranks serve inference.
 
     Every rank connects to the launcher's key-value store (torchrun's ``MASTER_ADDR`` and
-    ``MASTER_PORT``) and builds its role's default group and, where it is a member, the refit
-    group from separate key prefixes. Call on every rank of the launch.
+    ``MASTER_PORT``) and builds its role's default group and the cross-role groups it is a
+    member of, from separate key prefixes. Call on every rank of the launch.
     """
     compat.install()
     if dist.is_initialized():
@@ -143,20 +192,44 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
         store=dist.PrefixStore(f"{role}/", store), rank=role_rank, world_size=role_size,
         timeout=timeout, device_id=device if device.type == "cuda" else None,
     )
-    refit_group = control_group = None
+    placement = _placement(store, rank=rank, device=device, num_trainer_ranks=num_trainer_ranks,
+                           num_inference_ranks=num_inference_ranks)
+    refit_control = _standalone_group(dist.PrefixStore("refit-control/", store), rank=rank,
+                                      size=world_size, device=torch.device("cpu"),
+                                      timeout=timeout)
+    data_groups = {}
+    for source in range(num_trainer_ranks):
+        members = [source] + [num_trainer_ranks + r for r in placement.remote_receivers(source)]
+        if rank in members and len(members) > 1:
+            data_groups[source] = _standalone_group(
+                dist.PrefixStore(f"refit-data/{source}/", store), rank=members.index(rank),
+                size=len(members), device=device, timeout=timeout)
+    control_group = None
     if rank == 0 or not is_trainer:
-        member_rank = 0 if is_trainer else 1 + role_rank
-        refit_group = _standalone_group(dist.PrefixStore("refit/", store), rank=member_rank,
-                                        size=1 + num_inference_ranks, device=device,
-                                        timeout=timeout)
-        control_group = _standalone_group(dist.PrefixStore("control/", store), rank=member_rank,
+        control_group = _standalone_group(dist.PrefixStore("control/", store),
+                                          rank=0 if is_trainer else 1 + role_rank,
                                           size=1 + num_inference_ranks,
                                           device=torch.device("cpu"), timeout=timeout)
     context = DistributedContext(rank=role_rank, world_size=role_size, local_rank=local_rank,
-                                 device=device)
+                                 device=device, control_group=_control_group(device, timeout))
     return SplitJob(role=role, context=context, global_rank=rank,
                     num_trainer_ranks=num_trainer_ranks, num_inference_ranks=num_inference_ranks,
-                    refit_group=refit_group, control_group=control_group)
+                    placement=placement, refit_control=refit_control, data_groups=data_groups,
+                    control_group=control_group)
+
+
+def _placement(store, *, rank: int, device: torch.device, num_trainer_ranks: int,
+               num_inference_ranks: int) -> Placement:
+    """Which trainer and inference ranks share a device, from every rank's device identity."""
+    identity = (f"{socket.gethostname()}:{torch.cuda.get_device_properties(device).uuid}"
+                if device.type == "cuda" else f"{socket.gethostname()}:cpu:{rank}")
+    store.set(f"device/{rank}", identity)
+    world_size = num_trainer_ranks + num_inference_ranks
+    identities = [store.get(f"device/{r}").decode() for r in range(world_size)]
+    shared = frozenset((t, r) for t in range(num_trainer_ranks) for r in range(num_inference_ranks)
+                       if identities[t] == identities[num_trainer_ranks + r])
+    return Placement(num_trainers=num_trainer_ranks, num_receivers=num_inference_ranks,
+                     shared=shared)
 
 
 def _inference_device_index(inference_rank: int, *, num_trainer_ranks: int,
@@ -176,6 +249,13 @@ def _inference_device_index(inference_rank: int, *, num_trainer_ranks: int,
         raise ValueError(f"{num_inference_ranks} inference ranks need GPUs other than trainer rank "
                          f"0's, but this node has {num_gpus}")
     return num_gpus - num_inference_ranks + inference_rank
+
+
+def _control_group(device: torch.device, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo group over the default group's ranks (collective: every rank of it calls this)."""
+    if device.type != "cuda":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _device_for(local_rank: int) -> torch.device:

@@ -16,13 +16,13 @@ micro-batch split. Metrics are per-token sums too and are reported divided by th
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-MicroBatch = Mapping[str, torch.Tensor]
+from mcore_refit.pipeline import MicroBatch
 
 
 @dataclass(frozen=True)

@@ -126,18 +126,22 @@ class ModelChunks:
         for chunk in self.chunks:
             chunk.eval()
 
-    def conversion_tasks(self) -> list:
+    def parameters_replaced(self) -> bool:
+        """Whether this rank replaced a parameter object since the conversion tasks were built
+        (local: the caller agrees on it with the other ranks before exporting)."""
+        return self._conversion_tasks is not None and \
+            tuple(id(p) for p in self.parameters()) != self._task_param_ids
+
+    def conversion_tasks(self, *, rebuild: bool = False) -> list:
         """Bridge conversion tasks (Megatron → HF), built once and reused.
 
         The tasks hold references to the ``Parameter`` objects, so in-place updates (optimizer
-        steps, ``.data`` moves for offload, ``load_state_dict``) are exported as they are. If any
-        rank replaced a parameter object since the tasks were built, every rank rebuilds them
-        rather than exporting stale tensors. Collective over the model-parallel group (building
-        tasks gathers parameter names across pipeline stages): call on every rank.
+        steps, ``.data`` moves for offload, ``load_state_dict``) are exported as they are. A
+        replaced parameter object is not: when :meth:`parameters_replaced` is true on any rank,
+        pass ``rebuild=True`` on every rank. Building is collective over the model-parallel
+        group (it gathers parameter names across pipeline stages).
         """
-        param_ids = tuple(id(p) for p in self.parameters())
-        stale = self._conversion_tasks is None or param_ids != self._task_param_ids
-        if _any_rank(stale, device=next(self.parameters()).device):
+        if self._conversion_tasks is None or rebuild:
             model_bridge = self.bridge._model_bridge
             # AutoBridge.get_conversion_tasks insists on checkpoint weights; the model bridge's
             # builder also accepts the bare HF config (hf_pretrained is a PretrainedConfig when the
@@ -145,11 +149,12 @@ class ModelChunks:
             self._conversion_tasks = model_bridge.build_conversion_tasks(
                 self.bridge.hf_pretrained, self.unwrapped()
             )
-            self._task_param_ids = param_ids
+            self._task_param_ids = tuple(id(p) for p in self.parameters())
         return self._conversion_tasks
 
-    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream ``(hf_name, full_tensor)`` pairs (tensors stay on the model's device).
+    def export_hf_weights(self, *, rebuild: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(hf_name, full_tensor)`` pairs (tensors stay on the model's device);
+        ``rebuild`` as for :meth:`conversion_tasks`.
 
         Collective: every rank of the model-parallel groups must iterate it to the end, in
         lockstep, or ranks deadlock. Every rank receives every full tensor.
@@ -157,8 +162,8 @@ class ModelChunks:
         # merge_adapter_weights=False: mcore_refit builds no LoRA adapters, and the adapter merge
         # would run an all_gather_object over the pipeline group on every export.
         yield from self.bridge.export_hf_weights(
-            self.chunks, cpu=False, show_progress=False, conversion_tasks=self.conversion_tasks(),
-            merge_adapter_weights=False,
+            self.chunks, cpu=False, show_progress=False,
+            conversion_tasks=self.conversion_tasks(rebuild=rebuild), merge_adapter_weights=False,
         )
 
 
@@ -269,29 +274,3 @@ def _check_pipeline_comm(provider, parallel: ParallelConfig) -> None:
             f"batch_p2p_comm={provider.batch_p2p_comm}); batched p2p gives wrong gradients when "
             "the previous and next pipeline stage are the same rank"
         )
-
-
-def _any_rank(flag: bool, *, device: torch.device) -> bool:
-    """True on every rank of the model-parallel group if ``flag`` is true on any of them."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
-    return bool(value.item())
-
-
-def hf_reference_state(hf_path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint's safetensors files, by HF name, on the CPU."""
-    import glob
-    import os
-
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {hf_path!r}")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        state.update(load_file(path))
-    return state

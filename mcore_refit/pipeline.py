@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from mcore_refit.model import ModelChunks
 
+# One micro-batch: ``tokens``, ``labels``, ``position_ids`` ([batch, seq]) and whatever the loss
+# reads (``loss_mask``, ``advantages``, ...), all on the model's device.
 MicroBatch = dict[str, torch.Tensor]
 # loss_func(per_token_output, micro_batch) -> what Megatron's schedule accepts from a loss
 # function: (loss, metrics) or (loss, num_tokens, metrics).

@@ -12,12 +12,17 @@ the caller) and the checkpoint they came from, and checks three things:
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from mcore_refit import distributed
 from mcore_refit.config import ModelConfig, ParallelConfig
-from mcore_refit.model import ModelChunks, build_model, hf_reference_state
+from mcore_refit.model import ModelChunks, build_model
 from mcore_refit.pipeline import MicroBatch, broadcast_from_last_stage, forward_backward
 
 # Largest |difference| accepted for the loss and for any gradient element, by parameter dtype.
@@ -67,8 +72,6 @@ def verify_layout(model_config: ModelConfig, parallel: ParallelConfig, *, device
     state for ``parallel`` and tears it down again, so one process can verify several layouts.
     """
     from megatron.core.distributed import DistributedDataParallelConfig
-
-    from mcore_refit import distributed
 
     distributed.init_model_parallel(parallel, seed=seed)
     try:
@@ -210,8 +213,6 @@ def _export_gradients(model: ModelChunks) -> dict[str, torch.Tensor]:
 def _hf_losses_and_gradients(hf_path: str, micro_batches: list[MicroBatch],
                              device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The HF model's per-micro-batch loss and gradients (fp32) for the same objective."""
-    from transformers import AutoModelForCausalLM
-
     hf_model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).to(device)
     hf_model.train()
     losses = []
@@ -227,3 +228,14 @@ def _hf_losses_and_gradients(hf_path: str, micro_batches: list[MicroBatch],
     if hf_model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
     return torch.stack(losses).cpu(), grads
+
+
+def hf_reference_state(hf_path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint's safetensors files, by HF name, on the CPU."""
+    files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {hf_path!r}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path))
+    return state

@@ -15,8 +15,9 @@ import argparse
 import json
 import os
 import sys
+import typing
 
-from mcore_refit.config import DTYPES, ModelConfig, ParallelConfig
+from mcore_refit.config import Dtype, ModelConfig, ParallelConfig
 from mcore_refit.verify import TOLERANCES
 
 
@@ -37,7 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+    parser.add_argument("--dtype", choices=typing.get_args(Dtype), default="float32",
                         help="Megatron parameter dtype (the checkpoint is cast to it)")
     parser.add_argument("--layer-spec", choices=("auto", "te", "local"), default="auto")
     parser.add_argument("--micro-batches", type=int, default=4)

@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
-# Refit engine on 2 GPUs: GPU tests, then the benchmark for every source and placement.
-# Writes gpu_tests.txt, bench.jsonl, rc.txt (one line per run) under ${OUT:-.}/refit.
+# The refit engine on synthetic sets on 2 GPUs (nvidia-h200-x2), after
+# `source scripts/device_env.sh`: non-colocated (GPU0 -> GPU1) and colocated (an engine process
+# on the trainer's GPU), dense 8B and MoE 30B-A3B shapes, each against the link (the 1 GB
+# broadcast, or the device-to-device copy) measured in the same run.
+# Results under ${OUT:-.}/refit: bench.jsonl, summaries.jsonl, rc.txt, errors.txt.
 set -u
-D=${OUT:-.}/refit; mkdir -p "$D"; export PYTHONUNBUFFERED=1; port=29730
-timeout 100 python3 -m pytest tests/gpu/test_refit_gpu.py -q -p no:cacheprovider > "$D/gpu_tests.txt" 2>&1
-echo "rc=$? gpu_tests" >> "$D/rc.txt"
-bench() {
-  local limit=$1 nproc=$2; shift 2; port=$((port + 1))
-  timeout "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
+D=${OUT:-.}/refit; mkdir -p "$D"; export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+BUDGET_S=${BUDGET_S:-585}
+source "$(dirname "$0")/steps.sh"
+port=29730
+
+bench() {  # bench NAME LIMIT NPROC [overrides...]
+  local name=$1 limit=$2 nproc=$3; shift 3; port=$((port + 1))
+  step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
     --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py \
-    --config configs/refit_bench.yaml bench.output="$D/bench.jsonl" "$@" \
-    >> "$D/bench_out.txt" 2>> "$D/bench_err.txt"
-  echo "rc=$? nproc=$nproc $*" >> "$D/rc.txt"
+    --config configs/refit_bench.yaml bench.output="$D/bench.jsonl" "$@"
+  summarize "$name"
 }
-bench 50 2 bench.source=dense_8b
-bench 80 2 bench.source=moe_30b_a3b
-bench 50 1 refit.mode=colocated bench.source=dense_8b
-bench 100 1 refit.mode=colocated bench.source=moe_30b_a3b
-megatron_modes='bench.modes=[raw_link,engine,export_alone,transport_alone]'
-bench 110 2 bench.source=megatron "$megatron_modes"
-bench 90 1 refit.mode=colocated bench.source=megatron "$megatron_modes"
-cat "$D/rc.txt"; tail -3 "$D/gpu_tests.txt"
+
+bench dense 60 2 bench.source=dense_8b
+bench moe 90 2 bench.source=moe_30b_a3b
+COLOCATED='bench.modes=[raw_link,naive,single_buffer,engine,export_alone,transport_alone]'
+bench colocated_dense 70 1 refit.mode=colocated bench.source=dense_8b "$COLOCATED"
+bench colocated_moe 110 1 refit.mode=colocated bench.source=moe_30b_a3b "$COLOCATED"
+cat "$D/rc.txt"; echo "total ${SECONDS}s"

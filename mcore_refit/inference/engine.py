@@ -14,11 +14,13 @@ token by token (``logprob_mult_err``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from mcore_refit.config import ConfigError
 from mcore_refit.refit.engines import HFModelEngine
 
 
@@ -34,11 +36,18 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature must be > 0, got {self.temperature}")
+            raise ConfigError(f"`temperature` must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"`top_p` must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+            raise ConfigError(f"`max_new_tokens` must be ≥ 1, got {self.max_new_tokens}")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> SamplingConfig:
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,15 @@ class Completion:
     text: str
     # True when the stop token ended it (it is the last token id), False when the budget did.
     stopped: bool
+
+    def to_json(self) -> dict:
+        return {"prompt_ids": list(self.prompt_ids), "token_ids": list(self.token_ids),
+                "logprobs": list(self.logprobs), "text": self.text, "stopped": self.stopped}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Completion:
+        return cls(prompt_ids=tuple(data["prompt_ids"]), token_ids=tuple(data["token_ids"]),
+                   logprobs=tuple(data["logprobs"]), text=data["text"], stopped=data["stopped"])
 
 
 class InferenceEngine:
@@ -79,6 +97,14 @@ class InferenceEngine:
             raise RuntimeError("load_weights while the engine's memory is released; call "
                                "reacquire_memory first")
         self._weights.load_weights(weights)
+
+    def load_weight_pieces(self, pieces) -> None:
+        """Copy ``(name, piece, region)`` triples into their regions (tensor-parallel trainers
+        send sharded tensors in pieces)."""
+        if self._released:
+            raise RuntimeError("load_weight_pieces while the engine's memory is released; call "
+                               "reacquire_memory first")
+        self._weights.load_weight_pieces(pieces)
 
     def get_weight(self, name: str) -> torch.Tensor:
         return self._weights.get_weight(name)

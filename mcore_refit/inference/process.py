@@ -2,8 +2,10 @@
 
 Colocated mode spawns one engine process per trainer rank, on the trainer's device; the trainer
 sends commands (generate, release/reacquire memory, receive a refit) and waits for each reply with
-a timeout. An exception in the engine comes back with its traceback and is raised in the trainer
-as :class:`EngineError`; an engine that died is reported as such, never waited on forever.
+a timeout. Messages are JSON (never pickle): ``{"command", "kwargs"}`` one way, ``{"ok", "value"}``
+or ``{"ok": false, "error"}`` (with the engine's traceback) the other. An exception in the engine
+is raised in the trainer as :class:`EngineError`; an engine that died is reported as such, never
+waited on forever.
 
 The pipe is an anonymous ``multiprocessing`` connection between parent and child (not a socket),
 so nothing outside the two processes can reach it.
@@ -12,6 +14,8 @@ so nothing outside the two processes can reach it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import multiprocessing
 import traceback
 from collections.abc import Mapping
@@ -20,7 +24,10 @@ from typing import Any
 
 import torch
 
-from mcore_refit.refit.config import RefitConfig
+from mcore_refit.inference.engine import InferenceEngine, SamplingConfig
+from mcore_refit.refit.config import TransportOptions
+from mcore_refit.refit.receiver import WeightTransferEndpoint
+from mcore_refit.refit.transport import RefitError
 
 
 class EngineError(RuntimeError):
@@ -29,29 +36,42 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSpec:
-    """What the engine process builds: model, device, dtype, seed, refit settings."""
+    """What the engine process builds: model, device, dtype, seed, refit transport options."""
 
     hf_path: str
     device: str
     dtype: str
     seed: int
-    refit: RefitConfig
+    transport: TransportOptions
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "transport": dataclasses.asdict(self.transport)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> EngineSpec:
+        return cls(**{**data, "transport": TransportOptions(**data["transport"])})
 
 
 class EngineProcess:
-    """A spawned :class:`~mcore_refit.inference.engine.InferenceEngine`. Call :meth:`close`.
+    """A spawned engine serving commands: by default an
+    :class:`~mcore_refit.inference.engine.InferenceEngine` built from ``spec`` (see
+    :class:`InferenceServer`). Call :meth:`close`.
 
-    Commands are sent with :meth:`submit` and their replies collected with :meth:`wait`, so the
-    trainer can run its side of a refit between the two; :meth:`call` does both.
+    ``server`` is the class the process instantiates from ``spec.to_json()``; each command
+    ``name`` calls its ``do_<name>`` method with JSON keyword arguments and returns its JSON
+    value. Commands are sent with :meth:`submit` and their replies collected with :meth:`wait`,
+    so the trainer can run its side of a refit between the two; :meth:`call` does both.
     """
 
-    def __init__(self, spec: EngineSpec, *, timeout_s: float) -> None:
+    def __init__(self, spec, *, timeout_s: float, server: type | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._timeout_s = timeout_s
         self._pending: str | None = None
-        self._process = context.Process(target=_serve, args=(spec, child_conn), daemon=True,
-                                        name=f"mcore_refit-engine-{spec.device}")
+        self._process = context.Process(target=_serve,
+                                        args=(server or InferenceServer,
+                                              json.dumps(spec.to_json()), child_conn),
+                                        daemon=True, name=f"mcore_refit-engine-{spec.device}")
         self._process.start()
         child_conn.close()
         self.wait("start")
@@ -61,6 +81,13 @@ class EngineProcess:
         """The engine process's id (for monitoring; the engine is a child of this process)."""
         return self._process.pid
 
+    def alive_problem(self) -> str | None:
+        """None while the engine process lives, else what happened to it."""
+        if self._process.is_alive():
+            return None
+        return f"the inference engine process (pid {self.pid}) exited with code " \
+               f"{self._process.exitcode}"
+
     def call(self, command: str, **kwargs: Any) -> Any:
         self.submit(command, **kwargs)
         return self.wait(command)
@@ -69,7 +96,8 @@ class EngineProcess:
         if self._pending is not None:
             raise RuntimeError(f"command {command!r} sent while {self._pending!r} is pending")
         self._check_alive(command)
-        self._conn.send((command, kwargs))
+        self._conn.send_bytes(json.dumps({"command": command,
+                                          "kwargs": _plain(kwargs)}).encode())
         self._pending = command
 
     def wait(self, command: str) -> Any:
@@ -81,26 +109,27 @@ class EngineProcess:
             raise EngineError(f"the inference engine did not answer {command!r} within "
                               f"{self._timeout_s:.0f}s")
         try:
-            status, payload = self._conn.recv()
+            reply = json.loads(self._conn.recv_bytes().decode())
         except EOFError:
             raise EngineError(f"the inference engine process died during {command!r} "
                               f"(exit code {self._process.exitcode})") from None
         finally:
             self._pending = None
-        if status == "error":
-            raise EngineError(f"the inference engine failed {command!r}:\n{payload}")
-        return payload
+        if not reply["ok"]:
+            raise EngineError(f"the inference engine failed {command!r}:\n{reply['error']}")
+        return reply["value"]
 
     def _check_alive(self, command: str) -> None:
-        if not self._process.is_alive():
-            raise EngineError(f"the inference engine process is dead (exit code "
-                              f"{self._process.exitcode}); cannot run {command!r}")
+        problem = self.alive_problem()
+        if problem is not None:
+            raise EngineError(f"{problem}; cannot run {command!r}")
 
     def close(self) -> None:
         if self._process.is_alive():
             try:
                 if self._pending is None:
-                    self._conn.send(("shutdown", {}))
+                    self._conn.send_bytes(json.dumps({"command": "shutdown",
+                                                      "kwargs": {}}).encode())
                 self._process.join(timeout=30)
             finally:
                 if self._process.is_alive():
@@ -121,8 +150,6 @@ def receive_weight_update(endpoint, engine, weight_version: int) -> dict:
     On failure the endpoint's update is closed (keeping the old version label) and the original
     error propagates; on success the engine may generate again. Returns the receiver telemetry.
     """
-    from mcore_refit.refit.transport import RefitError
-
     endpoint.start_weight_update()
     try:
         telemetry = endpoint.update_weights()
@@ -135,44 +162,47 @@ def receive_weight_update(endpoint, engine, weight_version: int) -> dict:
     return telemetry.as_dict()
 
 
-def _serve(spec: EngineSpec, conn) -> None:
+def _plain(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value.to_json() if isinstance(value, SamplingConfig) else value
+            for key, value in kwargs.items()}
+
+
+def _serve(server_class: type, spec_json: str, conn) -> None:
     """Engine process main loop: build, then answer commands until shutdown."""
     try:
-        server = _EngineServer(spec)
+        server = server_class(json.loads(spec_json))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(json.dumps({"ok": False, "error": traceback.format_exc()}).encode())
         return
-    conn.send(("ok", None))
+    conn.send_bytes(json.dumps({"ok": True, "value": None}).encode())
     while True:
         try:
-            command, kwargs = conn.recv()
+            message = json.loads(conn.recv_bytes().decode())
         except EOFError:  # the trainer went away
             break
-        if command == "shutdown":
+        if message["command"] == "shutdown":
             break
         try:
-            result = getattr(server, f"do_{command}")(**kwargs)
+            value = getattr(server, f"do_{message['command']}")(**message["kwargs"])
+            reply = {"ok": True, "value": value}
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
-        else:
-            conn.send(("ok", result))
+            reply = {"ok": False, "error": traceback.format_exc()}
+        conn.send_bytes(json.dumps(reply).encode())
     server.close()
 
 
-class _EngineServer:
-    """The command handlers that run inside the engine process."""
+class InferenceServer:
+    """The command handlers of an inference engine process (JSON in, JSON out)."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        from mcore_refit.inference.engine import InferenceEngine
-        from mcore_refit.refit.receiver import WeightTransferEndpoint
-
+    def __init__(self, spec_json: dict) -> None:
+        spec = EngineSpec.from_json(spec_json)
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.engine = InferenceEngine(spec.hf_path, device=device,
                                       dtype=getattr(torch, spec.dtype), seed=spec.seed)
         self.endpoint = WeightTransferEndpoint(engine=self.engine, device=device,
-                                               config=spec.refit)
+                                               options=spec.transport)
 
     def do_init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
         self.endpoint.init_weight_transfer_engine(init_info)
@@ -180,8 +210,10 @@ class _EngineServer:
     def do_update_weights(self, weight_version: int) -> dict:
         return receive_weight_update(self.endpoint, self.engine, weight_version)
 
-    def do_generate(self, prompts, num_samples, sampling):
-        return self.engine.generate(prompts, num_samples=num_samples, sampling=sampling)
+    def do_generate(self, prompts, num_samples, sampling) -> list[list[dict]]:
+        groups = self.engine.generate(prompts, num_samples=num_samples,
+                                      sampling=SamplingConfig.from_json(sampling))
+        return [[c.to_json() for c in group] for group in groups]
 
     def do_release_memory(self) -> None:
         self.engine.release_memory()

@@ -1,9 +1,9 @@
 """Batches of variable-length sequences and the micro-batches the pipeline schedule runs.
 
 A :class:`SequenceBatch` is what callers hand the policy: right-padded token rows with their
-lengths, an optional loss mask and extra fields for the loss. :func:`build_micro_batches` turns the
-bins of a :class:`~mcore_refit.packing.PackingPlan` into micro-batch dicts; :func:`scatter_rows`
-puts per-row results back into batch order.
+lengths, an optional loss mask and extra fields for the loss. :func:`build_micro_batches` turns
+the bins of a :class:`~mcore_refit.policy.packing.PackingPlan` into micro-batch dicts;
+:func:`scatter_rows` puts per-row results back into batch order.
 
 Everything is token-aligned: column ``t`` of a per-token field belongs to token ``t``. The model
 input is the whole row and its label at ``t`` is token ``t + 1``; the policy shifts the resulting
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-MicroBatch = dict[str, torch.Tensor]
+from mcore_refit.pipeline import MicroBatch
 
 # Keys the policy puts into every micro-batch; batch fields may not reuse them.
 RESERVED_KEYS = ("tokens", "labels", "position_ids", "attention_mask", "valid_mask", "loss_mask")

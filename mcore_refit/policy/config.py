@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mcore_refit.config import ConfigError
+
 LrSchedule = Literal["constant", "linear", "cosine"]
 
 
@@ -42,32 +44,32 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr", self.lr,
+        _require(self.lr > 0 and math.isfinite(self.lr), "lr", self.lr,
                  "a positive number")
-        _require(0 <= self.min_lr <= self.lr, "optimizer.min_lr", self.min_lr,
-                 f"between 0 and optimizer.lr={self.lr}")
-        _require(self.lr_warmup_steps >= 0, "optimizer.lr_warmup_steps", self.lr_warmup_steps,
+        _require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr,
+                 f"between 0 and `lr`={self.lr}")
+        _require(self.lr_warmup_steps >= 0, "lr_warmup_steps", self.lr_warmup_steps,
                  "a non-negative integer")
-        _require(0 <= self.lr_warmup_init <= self.lr, "optimizer.lr_warmup_init",
-                 self.lr_warmup_init, f"between 0 and optimizer.lr={self.lr}")
+        _require(0 <= self.lr_warmup_init <= self.lr, "lr_warmup_init",
+                 self.lr_warmup_init, f"between 0 and `lr`={self.lr}")
         if self.lr_schedule != "constant":
             if self.lr_decay_steps is None:
-                raise ValueError(f"optimizer.lr_decay_steps is required when "
-                                 f"optimizer.lr_schedule='{self.lr_schedule}'")
-            _require(self.lr_decay_steps > self.lr_warmup_steps, "optimizer.lr_decay_steps",
+                raise ConfigError(f"`lr_decay_steps` is required when "
+                                  f"`lr_schedule`='{self.lr_schedule}'")
+            _require(self.lr_decay_steps > self.lr_warmup_steps, "lr_decay_steps",
                      self.lr_decay_steps,
-                     f"greater than optimizer.lr_warmup_steps={self.lr_warmup_steps}")
+                     f"greater than `lr_warmup_steps`={self.lr_warmup_steps}")
         elif self.lr_decay_steps is not None:
-            raise ValueError("optimizer.lr_decay_steps has no effect with "
-                             "optimizer.lr_schedule='constant'; remove it or choose a decay")
-        _require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay,
+            raise ConfigError("`lr_decay_steps` has no effect with `lr_schedule`='constant'; "
+                              "remove it or choose a decay")
+        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay,
                  "non-negative")
         for key in ("adam_beta1", "adam_beta2"):
             value = getattr(self, key)
-            _require(0 <= value < 1, f"optimizer.{key}", value, "in [0, 1)")
-        _require(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "positive")
+            _require(0 <= value < 1, key, value, "in [0, 1)")
+        _require(self.adam_eps > 0, "adam_eps", self.adam_eps, "positive")
         if self.clip_grad is not None:
-            _require(self.clip_grad > 0 and math.isfinite(self.clip_grad), "optimizer.clip_grad",
+            _require(self.clip_grad > 0 and math.isfinite(self.clip_grad), "clip_grad",
                      self.clip_grad, "a positive number, or null for no clipping")
 
     @property
@@ -78,7 +80,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PackingConfig:
-    """How a batch of sequences becomes micro-batches (see :mod:`mcore_refit.packing`).
+    """How a batch of sequences becomes micro-batches (see :mod:`mcore_refit.policy.packing`).
 
     Each micro-batch is one bin of sequences, one sequence per row, right-padded; all micro-batches
     of one pass are padded to one shape (Megatron's pipeline schedule needs a fixed shape).
@@ -99,8 +101,8 @@ class PackingConfig:
         for key in ("max_tokens_per_micro_batch", "min_bin_count", "bin_count_multiple"):
             value = getattr(self, key)
             if value is not None:
-                _require(value >= 1, f"packing.{key}", value, "a positive integer or null")
-        _require(self.pad_to_multiple >= 1, "packing.pad_to_multiple", self.pad_to_multiple,
+                _require(value >= 1, key, value, "a positive integer or null")
+        _require(self.pad_to_multiple >= 1, "pad_to_multiple", self.pad_to_multiple,
                  "a positive integer")
 
 
@@ -122,5 +124,6 @@ class PolicyConfig:
 
 
 def _require(ok: bool, key: str, value, what: str) -> None:
+    """``key`` is relative to the section that checks it."""
     if not ok:
-        raise ValueError(f"config key '{key}' must be {what}, got {value!r}")
+        raise ConfigError(f"`{key}` must be {what}, got {value!r}")

@@ -40,11 +40,6 @@ class HostOffloader:
         return self._copies is not None
 
     @property
-    def host_bytes(self) -> int:
-        """Bytes held on the host (0 when not offloaded)."""
-        return sum(c.num_bytes for c in self._copies or () if c.host is not None)
-
-    @property
     def freed_bytes(self) -> int:
         """Device bytes released by the current offload (0 when not offloaded)."""
         return sum(c.num_bytes for c in self._copies or ())

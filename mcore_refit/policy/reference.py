@@ -20,10 +20,6 @@ class ReferenceWeights:
         self._parameters = list(parameters)
         self._host = [_host_copy(param.detach()) for param in self._parameters]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._host)
-
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Within the block the parameters hold the reference weights (device memory: one copy)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.config import ModelConfig, ParallelConfig
+from mcore_refit.control import ControlGroup
 from mcore_refit.losses import CrossEntropyLoss, LossFunction, LossOutput, check_loss_inputs
 from mcore_refit.model import ModelChunks, build_model
-from mcore_refit.packing import PackingPlan, pack_for_layout
 from mcore_refit.pipeline import forward_backward
 from mcore_refit.policy import checkpoint
 from mcore_refit.policy.batch import MicroBatch, SequenceBatch, build_micro_batches, scatter_rows
@@ -32,7 +32,9 @@ from mcore_refit.policy.optim import (
     current_lr,
     optimizer_state_tensors,
 )
+from mcore_refit.policy.packing import PackingPlan, pack_for_layout
 from mcore_refit.policy.reference import ReferenceWeights
+from mcore_refit.refit.export import ModelExport
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +162,13 @@ class Policy:
         """Take the current weights as the reference model (host copy; replaces any earlier one)."""
         self._require_onloaded("capture_reference")
         self._reference = ReferenceWeights(list(self.model.parameters()))
+
+    def weight_source(self, *, control: ControlGroup, prefer: Collection[int] = ()) -> ModelExport:
+        """The refit source over this policy's weights: each trainer rank exports what it holds
+        (:class:`~mcore_refit.refit.export.ModelExport`); a refit while the weights are offloaded
+        raises. ``control``: a gloo group over the trainer ranks. Collective over them."""
+        return ModelExport(self.model, control=control, device=self.device, prefer=prefer,
+                           guard=lambda: self._require_onloaded("a refit"))
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full_tensor)`` pairs of the current weights; see ``ModelChunks``.

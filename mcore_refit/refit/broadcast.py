@@ -1,430 +1,522 @@
-"""Non-colocated transport: packed buffers broadcast over an explicit process group.
+"""Non-colocated transport: every buffer goes from its source trainer rank to every inference rank.
 
-The refit group holds the sender (the trainer rank that owns the export, at ``src_rank`` *within
-the group*) and the inference ranks, each receiving every buffer. Both ends use N slots
-(``refit.num_buffers``) round-robin:
+A split job (:class:`~mcore_refit.distributed.SplitJob`) has trainer ranks and inference ranks.
+Every buffer of the plan has a source: the trainer rank whose export fills it. From there it
+reaches each inference rank over one of two links (:class:`Placement` says which):
 
-sender, per buffer: wait until the slot's previous broadcast finished → pull the buffer's tensors
-from the source and pack them on the current stream (where the source produced them) → write
-the header (and checksum) → the slot's stream waits for the pack and issues the broadcast. So
-exporting and packing buffer k+1 overlaps broadcasting buffer k.
+- **broadcast**: over the source's own data group (the source and every inference rank on another
+  device; NCCL on GPUs), from one of the source's slots into one of the receiver's. Sources have
+  a group each, so buffers of different sources move at once;
+- **IPC**: an inference rank on the source's own device maps the source's slots once (CUDA IPC,
+  shared memory on CPU) and loads each buffer straight from them; NCCL refuses two ranks of one
+  device in a communicator, and the copy stays on the device.
 
-receiver, per buffer: broadcasts are posted ahead into free slots (on each slot's stream, after
-the slot's previous load) → wait for buffer k → check its header → ``engine.load_weights`` on
-views into the slot, while buffer k+1 is still arriving.
+Both ends use ``plan.num_slots`` slots round-robin with a CUDA stream and events each: exporting
+and packing buffer k+1 overlaps moving buffer k, and a receiver loads buffer k while k+1 arrives.
+Receivers post a broadcast only once the refit has started (a host-side exchange) and only into a
+free slot, so no rank holds a GPU kernel waiting for a peer between refits.
 
-Each refit starts with a fingerprint check and ends with a status exchange, so a failure on any
-rank (a plan mismatch, a source error, an engine raising, a checksum or verification mismatch)
-raises :class:`~mcore_refit.refit.transport.RefitError` on every rank; a rank that failed keeps
-taking part in the remaining broadcasts without loading, so nobody hangs. Works with NCCL (CUDA
-tensors) and gloo (CPU tensors; streams and events are no-ops). See :mod:`.group` for timeouts.
+All waiting for peers is on the host, over the control plane (:mod:`mcore_refit.control`): the
+start of a refit (:mod:`.rounds`: plan fingerprints, switches), every IPC buffer's ready and
+ACK messages, and the final outcome exchange, which raises a failure on every rank, naming the
+rank. A rank that failed keeps taking part in every exchange and transfer without loading, so
+nobody waits alone. Works with NCCL (CUDA tensors) and gloo (CPU tensors; streams and events are
+no-ops).
 """
 
 from __future__ import annotations
 
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mcore_refit.refit.buffers import BufferHeader, BufferSlots, BufferStatus, SourceReader
-from mcore_refit.refit.checksum import DigestRecorder, buffer_checksum, verify_engine_weights
-from mcore_refit.refit.config import RefitConfig
-from mcore_refit.refit.group import (
-    FLAG_CHECKSUMS,
-    FLAG_VERIFY,
-    GroupCollectives,
-    PendingTransfer,
-    RefitExchange,
+from mcore_refit.control import ControlGroup
+from mcore_refit.distributed import Placement
+from mcore_refit.refit.buffers import BufferHeader, BufferSlots, BufferStatus
+from mcore_refit.refit.checksum import DIGEST_WORDS, buffer_checksum, verify_engine_weights
+from mcore_refit.refit.config import TransportOptions
+from mcore_refit.refit.group import GroupCollectives, PendingTransfer
+from mcore_refit.refit.ipc_memory import (
+    create_shared_cpu_slot,
+    describe_slot,
+    open_slot,
+    private_runtime_dir,
 )
-from mcore_refit.refit.plan import RefitPlan
+from mcore_refit.refit.plan import PlannedBuffer, RefitPlan, plan_from_json
+from mcore_refit.refit.producer import BufferProducer
+from mcore_refit.refit.rounds import RefitRounds
+from mcore_refit.refit.source import RefitPass
 from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitReceiver, RefitSender, WeightLoader
+from mcore_refit.refit.transport import (
+    RefitError,
+    RefitReceiver,
+    RefitSender,
+    WeightLoader,
+    load_into,
+)
+from mcore_refit.refit.wire import SlotHandle, WireError, from_fields, to_fields
+
+# Tags of the control plane's point-to-point messages between a source and an IPC receiver:
+# the slots' handles (JSON, once); per buffer, [refit, buffer, status] and [buffer, ok] words.
+_TAG_SLOTS, _TAG_READY, _TAG_ACK = 1, 2, 3
 
 
-class _SlotPipeline:
-    """Per-plan state of one end: slots, a stream and events per slot, staging, timing events."""
+class _Slots:
+    """A side's slots with a CUDA stream and events per slot (streams are None on CPU)."""
 
-    def __init__(self, *, plan: RefitPlan, streams: DeviceStreams, config: RefitConfig) -> None:
-        self.plan = plan
-        self.config = config
-        self.streams = streams
-        self.slots = BufferSlots.allocate(plan, streams.device)
-        num_slots = plan.num_slots_total
-        self.slot_streams = [streams.new_stream() for _ in range(num_slots)]
-        # Recorded on the current stream when the slot's last use there (pack or load) is queued.
-        self.slot_released = [streams.new_event() for _ in range(num_slots)]
-        self.transfer_done = [streams.new_event() for _ in range(num_slots)]
-        # Header words go through host staging memory per slot (pinned on CUDA).
-        self.staging = [streams.staging(16, torch.int64) for _ in range(num_slots)]
-        self.device_checksums = torch.zeros(num_slots, dtype=torch.int64, device=streams.device)
-        self.timing = [[streams.new_event(timing=True) for _ in range(4)]
-                       for _ in range(plan.num_buffers)]
-        self.memory = DeviceMemoryProbe(streams.device, track_peak=config.track_peak_memory)
-
-    def telemetry(self, *, role: str, refit_index: int) -> RefitTelemetry:
-        return RefitTelemetry(
-            role=role, transport="broadcast", refit_index=refit_index,
-            device=str(self.streams.device), num_tensors=self.plan.num_tensors,
-            num_buffers=self.plan.num_buffers, bytes=self.plan.total_bytes,
-            buffer_bytes=self.slots.held_bytes,
-        )
-
-    def device_time(self, first: int, second: int) -> float:
-        """Sum over buffers of the device time between timing events ``first`` and ``second``."""
-        return sum(self.streams.elapsed_s(t[first], t[second]) for t in self.timing)
-
-    def window(self, first: int, second: int) -> float:
-        """Device time from event ``first`` of the first buffer to ``second`` of the last."""
-        return self.streams.elapsed_s(self.timing[0][first], self.timing[-1][second])
-
-    def sync_all(self, what: str) -> None:
-        """Wait for every slot stream and the current stream (bounded)."""
-        for stream in self.slot_streams:
-            if stream is not None:
-                done = self.streams.new_event()
-                self.streams.record(done, stream)
-                self.streams.host_wait(done, timeout_s=self.config.timeout_s, what=what)
-        self.streams.synchronize(timeout_s=self.config.timeout_s, what=what)
-
-    def close(self) -> None:
-        self.slots.close()
+    def __init__(self, slots: BufferSlots, streams: DeviceStreams) -> None:
+        self.slots = slots
+        count = slots.plan.num_held_slots
+        self.streams = [streams.new_stream() for _ in range(count)]
+        # Recorded on the current stream after the slot's last local use (a pack or a load).
+        self.released = [streams.new_event() for _ in range(count)]
+        self.moved = [streams.new_event() for _ in range(count)]
 
 
 class BroadcastSender(RefitSender):
-    """Trainer end of the non-colocated transport.
+    """Trainer end of the non-colocated transport, on every trainer rank of a split job.
 
-    ``group`` is the refit process group (``None`` = the default group) and ``src_rank`` this
-    process's rank *within that group*. :meth:`prepare` and :meth:`send` are collectives over
-    ``group``: call them on every rank of the group, in the same order as the receivers.
+    ``data_group`` is this rank's own broadcast group (None when it has no remote receivers);
+    ``control`` spans every rank of the job. :meth:`prepare` and :meth:`send` are collectives over
+    all of them: call them on every rank, in the same order as the receivers.
     """
 
     transport_name = "broadcast"
-    _PACK_START, _PACK_END, _SEND_START, _SEND_END = range(4)
 
-    def __init__(self, *, plan: RefitPlan, group: dist.ProcessGroup | None, src_rank: int,
-                 device: torch.device, config: RefitConfig) -> None:
+    def __init__(self, *, plan: RefitPlan, placement: Placement, rank: int,
+                 control: ControlGroup, data_group: dist.ProcessGroup | None,
+                 device: torch.device, options: TransportOptions,
+                 cpu_device_id: str | None = None) -> None:
         super().__init__(plan=plan)
-        self._config = config
+        self._placement = placement
+        self._rank = rank
+        self._control = control
+        self._options = options
         self._streams = DeviceStreams(device)
-        self._collectives = GroupCollectives(group=group, streams=self._streams)
-        if self._collectives.rank != src_rank:
-            raise ValueError(
-                f"src_rank={src_rank} but this process is group rank "
-                f"{self._collectives.rank}; the sender must be the source rank"
-            )
-        self._exchange = RefitExchange(self._collectives, src_rank=src_rank)
-        self._src_rank = src_rank
-        self._pipe: _SlotPipeline | None = None
+        self._rounds = RefitRounds(control, name_of=placement.name_of)
+        self._ipc = placement.ipc_receivers(rank) if rank in plan.sources else []
+        self._remote = placement.remote_receivers(rank) if rank in plan.sources else []
+        self._data = None
+        if self._remote:
+            if data_group is None:
+                raise ValueError(f"trainer rank {rank} sends to inference ranks {self._remote} "
+                                 "but has no data group")
+            self._data = GroupCollectives(group=data_group, streams=self._streams)
+        self._cpu_device_id = cpu_device_id
+        self._pipe: _Slots | None = None
+        self._slot_files: list[Path] = []
+        self._memory = DeviceMemoryProbe(self._streams.device,
+                                         track_peak=options.track_peak_memory)
 
     def prepare(self) -> None:
-        """Allocate the buffers and send the plan to the receivers (collective)."""
-        if self._pipe is None:
-            self._pipe = _SlotPipeline(plan=self.plan, streams=self._streams, config=self._config)
-        self._exchange.share_plan(self.plan, timeout_s=self._config.start_timeout_s)
+        """Allocate this rank's slots, hand IPC receivers their handles, and send the plan to
+        the inference ranks (collective)."""
+        timeout_s = self._options.start_timeout_s
+        self._control.broadcast_json(self.plan.to_json() if self._rank == 0 else None, src=0,
+                                     what="the refit plan from trainer rank 0",
+                                     timeout_s=timeout_s)
+        if self._pipe is None and self._rank in self.plan.sources:
+            self._pipe = _Slots(self._allocate(), self._streams)
+            if self._ipc:
+                self._share_slots()
 
-    def send(self, weights, *, refit_index: int, verify: bool = False,
-             stable_tensors: bool = False) -> RefitTelemetry:
-        assert self._pipe is not None, "call prepare() before send()"
-        pipe, config = self._pipe, self._config
-        telemetry = pipe.telemetry(role="sender", refit_index=refit_index)
-        telemetry.checksums = config.checksums
+    @property
+    def held_bytes(self) -> int:
+        return self._pipe.slots.held_bytes if self._pipe is not None else 0
+
+    def send(self, refit_pass: RefitPass, *, refit_index: int,
+             verify: bool = False) -> RefitTelemetry:
+        plan, options = self.plan, self._options
+        telemetry = RefitTelemetry(
+            role="sender", transport=self.transport_name, refit_index=refit_index,
+            device=str(self._streams.device), num_tensors=plan.num_tensors,
+            num_buffers=plan.num_buffers, payload_bytes=plan.payload_bytes,
+            held_bytes=self.held_bytes, checksums=options.checksums)
         start = time.perf_counter()
-        pipe.memory.start()
-        flags = (FLAG_CHECKSUMS if config.checksums else 0) | (FLAG_VERIFY if verify else 0)
-        reader = SourceReader(self.plan, weights)
+        self._memory.start()
+        switches = self._rounds.start(plan, refit_index=refit_index, checksums=options.checksums,
+                                      verify=verify, timeout_s=options.start_timeout_s)
+        producer = BufferProducer(
+            plan=plan, slots=self._pipe.slots if self._pipe is not None else None,
+            refit_pass=refit_pass, rank=self._rank, streams=self._streams,
+            checksums=switches.checksums, verify=switches.verify, telemetry=telemetry)
+        failure = None
         try:
-            self._exchange.start(self.plan, refit_index=refit_index, flags=flags,
-                                 timeout_s=config.timeout_s)
-            digests = DigestRecorder(self._streams.device) if verify else None
-            failure = self._send_buffers(reader, refit_index=refit_index, digests=digests,
-                                         batched=stable_tensors, telemetry=telemetry)
-            if failure is None:
-                extra = reader.extra()
-                if extra is not None:
-                    failure = (f"the weight source yielded more than the plan's "
-                               f"{self.plan.num_tensors} tensors (next: {extra!r}); rebuild the "
-                               "plan when the model changes")
-            if failure is not None:
-                reader.drain()
-            if digests is not None:
-                self._send_digests(digests, telemetry=telemetry)
-            self._exchange.finish(failure, refit_index=refit_index, timeout_s=config.timeout_s)
-        except BaseException:
-            # Trainer ranks exporting in lockstep read whole passes: finish ours (a refused
-            # start, a timeout) so they are not left inside an export collective.
-            reader.drain()
-            raise
-        pipe.sync_all("the sender's streams at the end of the refit")
+            failure = self._send_buffers(producer, refit_index=refit_index, telemetry=telemetry)
+        except Exception:  # a broken link: still share the outcome, so every rank raises
+            failure = f"sending refit {refit_index}: {traceback.format_exc()}"
+        failure = producer.finish() or failure
+        if switches.verify:
+            self._control.all_gather_json(producer.digest_rows(),
+                                          what=f"the digests of refit {refit_index}",
+                                          timeout_s=options.timeout_s)
+        self._rounds.finish(failure, refit_index=refit_index, timeout_s=options.timeout_s)
         telemetry.total_s = time.perf_counter() - start
-        telemetry.verified = True if verify else None
-        telemetry.record_memory(pipe.memory.stop())
-        if self._streams.is_cuda:
-            telemetry.pack_s = pipe.device_time(self._PACK_START, self._PACK_END)
-            telemetry.transfer_s = pipe.window(self._SEND_START, self._SEND_END)
+        telemetry.verified = True if switches.verify else None
+        telemetry.record_memory(self._memory.stop())
         return telemetry
 
     def close(self) -> None:
+        for path in self._slot_files:
+            path.unlink(missing_ok=True)
+        self._slot_files.clear()
         if self._pipe is not None:
-            self._pipe.close()
+            self._pipe.slots.close()
             self._pipe = None
 
-    def _send_buffers(self, reader: SourceReader, *, refit_index: int,
-                      digests: DigestRecorder | None, batched: bool,
+    # --- internals ------------------------------------------------------------------------
+
+    def _allocate(self) -> BufferSlots:
+        if not self._ipc or self._streams.is_cuda:
+            return BufferSlots.allocate(self.plan, self._streams.device)
+        # CPU with receivers on this "device": shared-memory files they can map.
+        directory = private_runtime_dir(self._options.ipc_dir)
+        slots = []
+        for index in range(self.plan.num_held_slots):
+            path = directory / f"{self._cpu_device_id}-trainer{self._rank}.slot{index}"
+            slots.append(create_shared_cpu_slot(path, self.plan.slot_capacity(index)))
+            self._slot_files.append(path)
+        return BufferSlots(plan=self.plan, slots=slots)
+
+    def _share_slots(self) -> None:
+        handles, blobs = [], []
+        for index, slot in enumerate(self._pipe.slots.slots):
+            cpu_file = self._slot_files[index] if self._slot_files else None
+            handle, slot_blobs = describe_slot(slot, cpu_file=cpu_file, first_blob=len(blobs))
+            handles.append(to_fields(handle))
+            blobs.extend(blob.hex() for blob in slot_blobs)
+        for receiver in self._ipc:
+            self._control.send_json({"slots": handles, "blobs": blobs},
+                                    dst=self._placement.control_rank(receiver), tag=_TAG_SLOTS,
+                                    what=f"trainer rank {self._rank}'s slot handles",
+                                    timeout_s=self._options.start_timeout_s)
+
+    def _send_buffers(self, producer: BufferProducer, *, refit_index: int,
                       telemetry: RefitTelemetry) -> str | None:
-        pipe, plan, streams = self._pipe, self.plan, self._streams
-        timeout_s = self._config.timeout_s
-        pending: list[PendingTransfer | None] = [None] * plan.num_slots_total
-        failure: str | None = None
-        first_issue = time.perf_counter()
+        plan, timeout_s = self.plan, self._options.timeout_s
+        pipe = self._pipe
+        moving: dict[int, PendingTransfer] = {}  # slot -> its broadcast in flight
+        handed: dict[int, list] = {}  # slot -> its buffer's IPC messages in flight
+        failure = None
+        first = time.perf_counter()
         for buffer in plan.buffers:
-            slot, events = buffer.slot, pipe.timing[buffer.index]
-            if pending[slot] is not None:
-                waited = time.perf_counter()
-                pending[slot].wait_host(streams, timeout_s=timeout_s)
-                telemetry.wait_s += time.perf_counter() - waited
-            if failure is None:
-                try:
-                    packed, exported = time.perf_counter(), reader.export_s
-                    streams.record(events[self._PACK_START])
-                    pipe.slots.pack_from(buffer.index, reader, batched=batched, observe=digests)
-                    streams.record(events[self._PACK_END])
-                    telemetry.pack_s += (time.perf_counter() - packed
-                                         - (reader.export_s - exported))
-                except Exception:
-                    failure = f"packing buffer {buffer.index}: {traceback.format_exc()}"
-            status = BufferStatus.OK if failure is None else BufferStatus.ABORTED
-            self._write_header(buffer.index, refit_index=refit_index, status=status,
-                               telemetry=telemetry)
-            stream = pipe.slot_streams[slot]
-            # The slot's stream (and so NCCL) waits for the pack and header on the current one.
-            streams.record(pipe.slot_released[slot])
-            streams.stream_wait(pipe.slot_released[slot], stream)
-            streams.record(events[self._SEND_START], stream)
-            pending[slot] = self._collectives.broadcast_async(
-                pipe.slots.wire_view(buffer.index), src_rank=self._src_rank, stream=stream,
-                done=pipe.transfer_done[slot],
-                what=f"the broadcast of buffer {buffer.index}/{plan.num_buffers} of refit "
-                     f"{refit_index} to the receivers",
-            )
-            streams.record(events[self._SEND_END], stream)
-        waited = time.perf_counter()
-        for transfer in pending:
-            if transfer is not None:
-                transfer.wait_host(streams, timeout_s=timeout_s)
-        telemetry.wait_s += time.perf_counter() - waited
-        telemetry.export_s = reader.export_s
-        telemetry.transfer_s = time.perf_counter() - first_issue
-        if digests is not None:
-            telemetry.pack_s -= digests.seconds
+            producer.exchange(buffer, timeout_s=timeout_s)
+            if buffer.source != self._rank:
+                continue
+            slot = buffer.slot
+            waited = time.perf_counter()
+            if slot in moving:
+                moving.pop(slot).wait_host(self._streams, timeout_s=timeout_s)
+            if slot in handed:
+                failure = failure or self._acknowledged(handed.pop(slot))
+            telemetry.wait_s += time.perf_counter() - waited
+            status = producer.produce(buffer, refit_index=refit_index)
+            self._streams.record(pipe.released[slot])
+            if self._data is not None:
+                stream = pipe.streams[slot]
+                self._streams.stream_wait(pipe.released[slot], stream)
+                moving[slot] = self._data.broadcast_async(
+                    pipe.slots.wire_view(buffer.index), src_rank=0, stream=stream,
+                    done=pipe.moved[slot],
+                    what=f"the broadcast of buffer {buffer.index}/{plan.num_buffers} of refit "
+                         f"{refit_index} to inference ranks {self._remote}")
+            if self._ipc:
+                # Another process reads the slot: its bytes must be complete first.
+                self._streams.host_wait(pipe.released[slot], timeout_s=timeout_s,
+                                        what=f"packing buffer {buffer.index}")
+                handed[slot] = [self._hand_over(buffer, receiver, refit_index, status)
+                                for receiver in self._ipc]
+        for transfer in moving.values():
+            transfer.wait_host(self._streams, timeout_s=timeout_s)
+        for messages in handed.values():
+            failure = failure or self._acknowledged(messages)
+        telemetry.transfer_s = time.perf_counter() - first
         return failure
 
-    def _write_header(self, buffer_index: int, *, refit_index: int, status: BufferStatus,
-                      telemetry: RefitTelemetry) -> None:
-        pipe, plan = self._pipe, self.plan
-        buffer = plan.buffers[buffer_index]
-        checksums = self._config.checksums and status == BufferStatus.OK
-        header = BufferHeader(refit_index=refit_index, buffer_index=buffer_index, status=status,
-                              used_bytes=buffer.used_bytes,
-                              fingerprint_word=plan.fingerprint_words[0],
-                              checksum=0 if checksums else None)
-        words = header.to_words()
-        staging = pipe.staging[buffer.slot]
-        staging[:len(words)] = torch.tensor(words, dtype=torch.int64)
-        # Non-blocking from pinned memory: this staging row is rewritten only after the slot's
-        # broadcast, which is ordered after this copy, completed.
-        header_view = pipe.slots.header_view(buffer_index)
-        header_view.copy_(staging[:len(words)], non_blocking=True)
-        if checksums:
-            started = time.perf_counter()
-            buffer_checksum(pipe.slots.payload_words(buffer_index), out=header_view[5])
-            telemetry.checksum_s += time.perf_counter() - started
+    def _hand_over(self, buffer: PlannedBuffer, receiver: int, refit_index: int,
+                   status: BufferStatus) -> tuple:
+        """Tell an IPC receiver ``buffer`` is in its slot; its ACK's receive is posted first."""
+        peer = self._placement.control_rank(receiver)
+        ack = self._control.recv_words(
+            2, src=peer, tag=_TAG_ACK,
+            what=f"inference rank {receiver}'s ACK of buffer {buffer.index} of refit "
+                 f"{refit_index}")
+        ready = self._control.send_words(
+            [refit_index, buffer.index, int(status)], dst=peer, tag=_TAG_READY,
+            what=f"handing buffer {buffer.index} of refit {refit_index} to inference rank "
+                 f"{receiver}")
+        return buffer, receiver, ready, ack
 
-    def _send_digests(self, digests: DigestRecorder, *, telemetry: RefitTelemetry) -> None:
-        started = time.perf_counter()
-        self._collectives.broadcast(digests.table(self.plan.num_tensors),
-                                    src_rank=self._src_rank,
-                                    what="the sender's weight digests",
-                                    timeout_s=self._config.timeout_s)
-        telemetry.verify_s = digests.seconds + time.perf_counter() - started
+    def _acknowledged(self, messages: list) -> str | None:
+        """Wait for the IPC receivers' ACKs of a buffer; the first failure they report."""
+        failure = None
+        for buffer, receiver, ready, ack in messages:
+            ready.wait(timeout_s=self._options.timeout_s)
+            index, ok = ack.wait(timeout_s=self._options.timeout_s)
+            if index != buffer.index:
+                failure = failure or (f"inference rank {receiver} acknowledged buffer {index}, "
+                                      f"expected {buffer.index}")
+            elif not ok:
+                failure = failure or (f"inference rank {receiver} could not load buffer "
+                                      f"{buffer.index} (its own error follows from it)")
+        return failure
 
 
 class BroadcastReceiver(RefitReceiver):
-    """Engine end of the non-colocated transport (one per inference rank of the group).
+    """Engine end of the non-colocated transport (one per inference rank).
 
-    ``plan=None`` takes the sender's plan at :meth:`prepare`; a given plan is kept and checked
-    against the sender's at the start of every refit. :meth:`prepare` and :meth:`receive` are
-    collectives over ``group``: call them on every rank, in the same order as the sender.
+    ``data_groups`` maps each source trainer rank that broadcasts to this rank to its data group;
+    sources on this rank's device hand their buffers over IPC instead. ``plan=None`` takes the
+    trainers' plan at :meth:`prepare`; a given plan is kept and checked at every refit's start.
+    :meth:`prepare` and :meth:`receive` are collectives with the trainer ranks.
     """
 
     transport_name = "broadcast"
-    _RECV_START, _RECV_END, _LOAD_START, _LOAD_END = range(4)
 
-    def __init__(self, *, group: dist.ProcessGroup | None, src_rank: int, device: torch.device,
-                 config: RefitConfig, plan: RefitPlan | None = None) -> None:
-        self._config = config
+    def __init__(self, *, placement: Placement, receiver: int, control: ControlGroup,
+                 data_groups: dict[int, dist.ProcessGroup], device: torch.device,
+                 options: TransportOptions, plan: RefitPlan | None = None) -> None:
+        self._placement = placement
+        self._receiver = receiver
+        self._control = control
+        self._options = options
         self._streams = DeviceStreams(device)
-        self._collectives = GroupCollectives(group=group, streams=self._streams)
-        if self._collectives.rank == src_rank:
-            raise ValueError(f"group rank {src_rank} is the sender; receivers must be other ranks")
-        self._exchange = RefitExchange(self._collectives, src_rank=src_rank)
-        self._src_rank = src_rank
+        self._rounds = RefitRounds(control, name_of=placement.name_of)
+        self._data = {source: GroupCollectives(group=group, streams=self._streams)
+                      for source, group in data_groups.items()}
         self._own_plan = plan
-        self._pipe: _SlotPipeline | None = None
+        self._plan: RefitPlan | None = plan
+        self._pipe: _Slots | None = None
+        self._mapped: dict[int, BufferSlots] = {}  # IPC source -> its slots, mapped here
+        self._staging = self._streams.staging(16, torch.int64)
+        self._checksum = torch.zeros(1, dtype=torch.int64, device=self._streams.device)
+        self._memory = DeviceMemoryProbe(self._streams.device,
+                                         track_peak=options.track_peak_memory)
 
     @property
     def plan(self) -> RefitPlan | None:
-        return self._pipe.plan if self._pipe is not None else self._own_plan
+        return self._plan
 
     def prepare(self) -> None:
-        """Receive the sender's plan (collective) and allocate the buffers."""
-        sent = self._exchange.share_plan(None, timeout_s=self._config.start_timeout_s)
+        """Receive the plan and the IPC sources' slot handles; allocate this rank's slots."""
+        timeout_s = self._options.start_timeout_s
+        sent = plan_from_json(self._control.broadcast_json(
+            None, src=0, what="the refit plan from trainer rank 0", timeout_s=timeout_s))
         plan = self._own_plan if self._own_plan is not None else sent
-        if self._pipe is None or self._pipe.plan != plan:
-            if self._pipe is not None:
-                self._pipe.close()
-            self._pipe = _SlotPipeline(plan=plan, streams=self._streams, config=self._config)
+        self._plan = plan
+        for source in plan.sources:
+            if self._placement.ipc(source, self._receiver):
+                data = self._control.recv_json(src=source, tag=_TAG_SLOTS, timeout_s=timeout_s,
+                                               what=f"trainer rank {source}'s slot handles")
+                self._mapped[source] = self._map(plan, data)
+        remote = [b.index for b in plan.buffers
+                  if not self._placement.ipc(b.source, self._receiver)]
+        if remote and self._pipe is None:
+            self._pipe = _Slots(BufferSlots.allocate(plan, self._streams.device,
+                                                     slot_map=_receiver_slots(plan, remote)),
+                                self._streams)
 
     def receive(self, engine: WeightLoader) -> RefitTelemetry:
-        assert self._pipe is not None, "call prepare() before receive()"
-        pipe, config = self._pipe, self._config
+        assert self._plan is not None, "call prepare() before receive()"
+        plan, options = self._plan, self._options
+        telemetry = RefitTelemetry(
+            role="receiver", transport=self.transport_name, refit_index=-1,
+            device=str(self._streams.device), num_tensors=plan.num_tensors,
+            num_buffers=plan.num_buffers, payload_bytes=plan.payload_bytes,
+            held_bytes=self._pipe.slots.held_bytes if self._pipe is not None else 0)
         start = time.perf_counter()
-        pipe.memory.start()
-        refit_index, flags = self._exchange.start(pipe.plan, refit_index=0, flags=0,
-                                                  timeout_s=config.start_timeout_s)
-        telemetry = pipe.telemetry(role="receiver", refit_index=refit_index)
-        telemetry.checksums = bool(flags & FLAG_CHECKSUMS)
-        failure = self._receive_buffers(engine, refit_index=refit_index,
-                                        checksums=telemetry.checksums, telemetry=telemetry)
-        if flags & FLAG_VERIFY:
-            failure = self._verify(engine, failure=failure, telemetry=telemetry)
-        self._exchange.finish(failure, refit_index=refit_index, timeout_s=config.timeout_s)
-        pipe.sync_all("the receiver's streams at the end of the refit")
+        self._memory.start()
+        # The trainers' refit index and switches come with the start exchange.
+        switches = self._rounds.start(plan, refit_index=-1, checksums=False, verify=False,
+                                      timeout_s=options.start_timeout_s)
+        refit_index = switches.refit_index
+        telemetry.refit_index, telemetry.checksums = refit_index, switches.checksums
+        failure = None
+        try:
+            failure = self._receive_buffers(engine, refit_index=refit_index,
+                                            checksums=switches.checksums, telemetry=telemetry)
+        except Exception:
+            failure = f"receiving refit {refit_index}: {traceback.format_exc()}"
+        if switches.verify:
+            failure = self._verify(engine, failure=failure, telemetry=telemetry,
+                                   refit_index=refit_index)
+        self._rounds.finish(failure, refit_index=refit_index, timeout_s=options.timeout_s)
         telemetry.total_s = time.perf_counter() - start
-        telemetry.record_memory(pipe.memory.stop())
-        if self._streams.is_cuda:
-            telemetry.load_s = pipe.device_time(self._LOAD_START, self._LOAD_END)
-            telemetry.transfer_s = pipe.window(self._RECV_START, self._RECV_END)
+        telemetry.record_memory(self._memory.stop())
         return telemetry
 
     def close(self) -> None:
+        self._mapped.clear()
         if self._pipe is not None:
-            self._pipe.close()
+            self._pipe.slots.close()
             self._pipe = None
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _map(self, plan: RefitPlan, data: dict) -> BufferSlots:
+        handles = [_message(SlotHandle, handle) for handle in data["slots"]]
+        blobs = [bytes.fromhex(blob) for blob in data["blobs"]]
+        directory = private_runtime_dir(self._options.ipc_dir)
+        slots = [open_slot(handle, blobs, device=self._streams.device, directory=directory)
+                 for handle in handles]
+        return BufferSlots(plan=plan, slots=slots)
 
     def _receive_buffers(self, engine: WeightLoader, *, refit_index: int, checksums: bool,
                          telemetry: RefitTelemetry) -> str | None:
-        plan, timeout_s = self._pipe.plan, self._config.timeout_s
-        pending: dict[int, PendingTransfer] = {}
-        slot_busy = [False] * plan.num_slots_total
-        failure: str | None = None
+        plan, timeout_s = self._plan, self._options.timeout_s
+        remote = [b for b in plan.buffers if b.source not in self._mapped]
+        posted: dict[int, PendingTransfer] = {}
         next_post = 0
-        first_post = time.perf_counter()
-        for buffer in plan.buffers:
-            # Post every broadcast whose slot is free, in plan order (the sender's order).
-            while next_post < plan.num_buffers and not slot_busy[plan.buffers[next_post].slot]:
-                self._post(next_post, refit_index=refit_index, pending=pending)
-                slot_busy[plan.buffers[next_post].slot] = True
+        occupied: set[int] = set()  # slots holding a posted buffer not yet loaded
+        failure = None
+        first = time.perf_counter()
+
+        def post_ahead() -> None:
+            # Broadcasts are posted in plan order into free slots only; none before the start.
+            nonlocal next_post
+            while next_post < len(remote):
+                buffer = remote[next_post]
+                slot = self._pipe.slots.slot_index(buffer.index)
+                if slot in occupied:
+                    return
+                occupied.add(slot)
+                self._post(buffer, refit_index=refit_index, posted=posted)
                 next_post += 1
-            what = (f"buffer {buffer.index}/{plan.num_buffers} of refit {refit_index} from "
-                    f"group rank {self._src_rank}")
+
+        for buffer in plan.buffers:
+            post_ahead()
+            if buffer.source in self._mapped:
+                failure = self._take_ipc(buffer, engine, refit_index=refit_index,
+                                         checksums=checksums, failure=failure,
+                                         telemetry=telemetry) or failure
+                continue
             waited = time.perf_counter()
-            pending.pop(buffer.index).wait_stream(self._streams, timeout_s=timeout_s)
-            header, checksum = self._read_header(buffer.index, checksums=checksums, what=what)
+            posted.pop(buffer.index).wait_host(self._streams, timeout_s=timeout_s)
             telemetry.wait_s += time.perf_counter() - waited
-            if failure is None:
-                failure = self._check_header(header, checksum, buffer.index,
-                                             refit_index=refit_index)
-            if failure is None:
-                failure = self._load(engine, buffer.index, telemetry=telemetry)
-            self._streams.record(self._pipe.slot_released[buffer.slot])
-            slot_busy[buffer.slot] = False
-        telemetry.transfer_s = time.perf_counter() - first_post
+            slots = self._pipe.slots
+            problem = self._check(slots, buffer.index, refit_index=refit_index,
+                                  checksums=checksums)
+            if problem is None and failure is None:
+                problem = self._load(engine, slots, buffer.index, telemetry=telemetry)
+            failure = failure or problem
+            slot = slots.slot_index(buffer.index)
+            self._streams.record(self._pipe.released[slot])
+            occupied.discard(slot)
+        self._streams.synchronize(timeout_s=timeout_s, what="loading the last buffer")
+        telemetry.transfer_s = time.perf_counter() - first
         return failure
 
-    def _post(self, buffer_index: int, *, refit_index: int,
-              pending: dict[int, PendingTransfer]) -> None:
-        pipe, streams = self._pipe, self._streams
-        slot = pipe.plan.buffers[buffer_index].slot
-        events = pipe.timing[buffer_index]
-        stream = pipe.slot_streams[slot]
-        # The slot's stream waits for the last load from this slot before bytes land in it.
-        streams.stream_wait(pipe.slot_released[slot], stream)
-        streams.record(events[self._RECV_START], stream)
-        pending[buffer_index] = self._collectives.broadcast_async(
-            pipe.slots.wire_view(buffer_index), src_rank=self._src_rank, stream=stream,
-            done=pipe.transfer_done[slot],
-            what=f"buffer {buffer_index}/{pipe.plan.num_buffers} of refit {refit_index} from "
-                 f"group rank {self._src_rank}",
-        )
-        streams.record(events[self._RECV_END], stream)
-
-    def _read_header(self, buffer_index: int, *, checksums: bool,
-                     what: str) -> tuple[BufferHeader | str, int | None]:
-        """The buffer's header (or why it is unreadable) and, if asked, the payload checksum.
-
-        The one host synchronisation per buffer: the next buffer's broadcast is already posted.
-        """
+    def _post(self, buffer: PlannedBuffer, *, refit_index: int,
+              posted: dict[int, PendingTransfer]) -> None:
         pipe = self._pipe
-        slot = pipe.plan.buffers[buffer_index].slot
-        staging = pipe.staging[slot]
-        staging[:8].copy_(pipe.slots.header_view(buffer_index), non_blocking=True)
+        slot = pipe.slots.slot_index(buffer.index)
+        stream = pipe.streams[slot]
+        # The slot's stream waits for the last load from it before bytes land in it.
+        self._streams.stream_wait(pipe.released[slot], stream)
+        posted[buffer.index] = self._data[buffer.source].broadcast_async(
+            pipe.slots.wire_view(buffer.index), src_rank=0, stream=stream, done=pipe.moved[slot],
+            what=f"buffer {buffer.index}/{self._plan.num_buffers} of refit {refit_index} from "
+                 f"trainer rank {buffer.source}")
+
+    def _take_ipc(self, buffer: PlannedBuffer, engine: WeightLoader, *, refit_index: int,
+                  checksums: bool, failure: str | None, telemetry: RefitTelemetry) -> str | None:
+        """Wait for the source's hand-over, load from its slot, ACK (with the outcome)."""
+        source = buffer.source
+        timeout_s = self._options.timeout_s
+        waited = time.perf_counter()
+        ready_index, index, _status = self._control.recv_words(
+            3, src=source, tag=_TAG_READY,
+            what=f"trainer rank {source}'s buffer {buffer.index} of refit {refit_index}").wait(
+            timeout_s=timeout_s)
+        telemetry.wait_s += time.perf_counter() - waited
+        slots = self._mapped[source]
+        problem = None
+        if (ready_index, index) != (refit_index, buffer.index):
+            problem = (f"trainer rank {source} handed over buffer {index} of refit "
+                       f"{ready_index}, expected buffer {buffer.index} of refit {refit_index}")
+        problem = problem or self._check(slots, buffer.index, refit_index=refit_index,
+                                         checksums=checksums)
+        if problem is None and failure is None:
+            problem = self._load(engine, slots, buffer.index, telemetry=telemetry)
+            # The source refills the slot once it has the ACK: finish reading first.
+            self._streams.synchronize(timeout_s=timeout_s, what=f"loading buffer {buffer.index}")
+        self._control.send_words(
+            [buffer.index, int(problem is None and failure is None)], dst=source, tag=_TAG_ACK,
+            what=f"the ACK of buffer {buffer.index} to trainer rank {source}").wait(
+            timeout_s=timeout_s)
+        return problem
+
+    def _check(self, slots: BufferSlots, buffer_index: int, *, refit_index: int,
+               checksums: bool) -> str | None:
+        """Why the buffer in its slot must not be loaded, or None."""
+        self._staging[:8].copy_(slots.header_view(buffer_index), non_blocking=True)
         if checksums:
-            buffer_checksum(pipe.slots.payload_words(buffer_index),
-                            out=pipe.device_checksums[slot])
-            staging[8:9].copy_(pipe.device_checksums[slot:slot + 1], non_blocking=True)
-        self._streams.synchronize(timeout_s=self._config.timeout_s, what=what)
-        words = staging.tolist()
+            buffer_checksum(slots.payload_words(buffer_index), out=self._checksum[0])
+            self._staging[8:9].copy_(self._checksum, non_blocking=True)
+        self._streams.synchronize(timeout_s=self._options.timeout_s,
+                                  what=f"reading the header of buffer {buffer_index}")
+        words = self._staging.tolist()
         try:
             header = BufferHeader.from_words(words[:8])
-        except ValueError as error:
-            return f"buffer {buffer_index}: {error}", None
-        return header, (words[8] if checksums else None)
-
-    def _check_header(self, header: BufferHeader | str, checksum: int | None, buffer_index: int,
-                      *, refit_index: int) -> str | None:
-        if isinstance(header, str):
-            return header
-        if header.status == BufferStatus.ABORTED:
-            return "the sender aborted the refit"
-        try:
-            header.check_expected(plan=self._pipe.plan, refit_index=refit_index,
+            if header.status == BufferStatus.ABORTED:
+                return f"buffer {buffer_index}: its source aborted the refit"
+            header.check_expected(plan=self._plan, refit_index=refit_index,
                                   buffer_index=buffer_index)
         except ValueError as error:
             return f"buffer {buffer_index}: {error}"
-        if checksum is not None and header.checksum != checksum:
-            names = self._pipe.plan.buffer_names(buffer_index)
+        if checksums and header.checksum != words[8]:
+            names = self._plan.buffer_names(buffer_index)
             return (f"checksum mismatch in buffer {buffer_index}: sent {header.checksum}, "
-                    f"received {checksum} (tensors {names[0]!r} .. {names[-1]!r})")
+                    f"received {words[8]} (tensors {names[0]!r} .. {names[-1]!r})")
         return None
 
-    def _load(self, engine: WeightLoader, buffer_index: int, *,
+    def _load(self, engine: WeightLoader, slots: BufferSlots, buffer_index: int, *,
               telemetry: RefitTelemetry) -> str | None:
-        events = self._pipe.timing[buffer_index]
         started = time.perf_counter()
-        self._streams.record(events[self._LOAD_START])
         try:
-            engine.load_weights(self._pipe.slots.named_views(buffer_index))
+            load_into(engine, slots.entries(buffer_index))
         except Exception:
             return f"engine.load_weights on buffer {buffer_index}: {traceback.format_exc()}"
         finally:
-            self._streams.record(events[self._LOAD_END])
             telemetry.load_s += time.perf_counter() - started
         return None
 
-    def _verify(self, engine: WeightLoader, *, failure: str | None,
-                telemetry: RefitTelemetry) -> str | None:
+    def _verify(self, engine: WeightLoader, *, failure: str | None, telemetry: RefitTelemetry,
+                refit_index: int) -> str | None:
         started = time.perf_counter()
-        plan = self._pipe.plan
-        table = torch.zeros(plan.num_tensors, 3, dtype=torch.int64, device=self._streams.device)
-        self._collectives.broadcast(table, src_rank=self._src_rank,
-                                    what="the sender's weight digests",
-                                    timeout_s=self._config.timeout_s)
+        plan = self._plan
+        shared = self._control.all_gather_json([], what=f"the digests of refit {refit_index}",
+                                               timeout_s=self._options.timeout_s)
+        table = torch.zeros(plan.num_tensors, DIGEST_WORDS, dtype=torch.int64)
+        for index, *digest in (row for rank_rows in shared for row in rank_rows):
+            table[index] = torch.tensor(digest, dtype=torch.int64)
         if failure is None:
-            failure = verify_engine_weights(engine, plan.names, table)
+            failure = verify_engine_weights(engine, plan.specs(), table.to(self._streams.device))
             telemetry.verified = failure is None
         telemetry.verify_s = time.perf_counter() - started
         return failure
 
+
+def _receiver_slots(plan: RefitPlan, remote: list[int]) -> list[int]:
+    """A receiver's slot per buffer: round-robin over the buffers it receives by broadcast
+    (oversized ones in the extra slot); buffers it takes over IPC need none."""
+    slot_map = [0] * plan.num_buffers
+    regular = 0
+    for index in remote:
+        if plan.buffers[index].oversized:
+            slot_map[index] = plan.num_slots
+        else:
+            slot_map[index] = regular % plan.num_slots
+            regular += 1
+    return slot_map
+
+
+def _message(cls, data):
+    try:
+        return from_fields(cls, data)
+    except WireError as error:
+        raise RefitError(f"malformed {cls.__name__} on the control plane: {error}") from None

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_refit.refit.plan import HEADER_BYTES, PlannedTensor, RefitPlan
+from mcore_refit.refit.checksum import buffer_checksum
+from mcore_refit.refit.plan import HEADER_BYTES, PlannedTensor, RefitPlan, TensorSpec
+from mcore_refit.refit.source import Piecewise
 
 # "MCREFIT1" as a little-endian int64.
 HEADER_MAGIC = int.from_bytes(b"MCREFIT1", "little")
@@ -33,12 +35,14 @@ class BufferStatus(enum.IntEnum):
     ABORTED = 1
 
 
-class _Word(enum.IntEnum):
+class HeaderWord(enum.IntEnum):
+    """The int64 words of a buffer header, by position."""
+
     MAGIC = 0
     REFIT_INDEX = 1
     BUFFER_INDEX = 2
     STATUS = 3
-    USED_BYTES = 4
+    WIRE_BYTES = 4
     CHECKSUM = 5
     HAS_CHECKSUM = 6
     FINGERPRINT = 7
@@ -51,46 +55,48 @@ class BufferHeader:
     refit_index: int
     buffer_index: int
     status: BufferStatus
-    used_bytes: int
+    wire_bytes: int
     fingerprint_word: int
     checksum: int | None = None
 
     def to_words(self) -> list[int]:
         words = [0] * HEADER_WORDS
-        words[_Word.MAGIC] = HEADER_MAGIC
-        words[_Word.REFIT_INDEX] = self.refit_index
-        words[_Word.BUFFER_INDEX] = self.buffer_index
-        words[_Word.STATUS] = int(self.status)
-        words[_Word.USED_BYTES] = self.used_bytes
-        words[_Word.CHECKSUM] = self.checksum if self.checksum is not None else 0
-        words[_Word.HAS_CHECKSUM] = int(self.checksum is not None)
-        words[_Word.FINGERPRINT] = self.fingerprint_word
+        words[HeaderWord.MAGIC] = HEADER_MAGIC
+        words[HeaderWord.REFIT_INDEX] = self.refit_index
+        words[HeaderWord.BUFFER_INDEX] = self.buffer_index
+        words[HeaderWord.STATUS] = int(self.status)
+        words[HeaderWord.WIRE_BYTES] = self.wire_bytes
+        words[HeaderWord.CHECKSUM] = self.checksum if self.checksum is not None else 0
+        words[HeaderWord.HAS_CHECKSUM] = int(self.checksum is not None)
+        words[HeaderWord.FINGERPRINT] = self.fingerprint_word
         return words
 
     @classmethod
     def from_words(cls, words: Sequence[int]) -> BufferHeader:
-        if len(words) != HEADER_WORDS or words[_Word.MAGIC] != HEADER_MAGIC:
+        if len(words) != HEADER_WORDS or words[HeaderWord.MAGIC] != HEADER_MAGIC:
             raise ValueError("buffer header has no valid magic word: the buffer was not packed "
                              "by a refit sender (or was overwritten)")
         try:
-            status = BufferStatus(words[_Word.STATUS])
+            status = BufferStatus(words[HeaderWord.STATUS])
         except ValueError:
-            raise ValueError(f"buffer header has unknown status {words[_Word.STATUS]}") from None
+            raise ValueError(
+                f"buffer header has unknown status {words[HeaderWord.STATUS]}") from None
         return cls(
-            refit_index=words[_Word.REFIT_INDEX], buffer_index=words[_Word.BUFFER_INDEX],
-            status=status, used_bytes=words[_Word.USED_BYTES],
-            fingerprint_word=words[_Word.FINGERPRINT],
-            checksum=words[_Word.CHECKSUM] if words[_Word.HAS_CHECKSUM] else None,
+            refit_index=words[HeaderWord.REFIT_INDEX],
+            buffer_index=words[HeaderWord.BUFFER_INDEX],
+            status=status, wire_bytes=words[HeaderWord.WIRE_BYTES],
+            fingerprint_word=words[HeaderWord.FINGERPRINT],
+            checksum=words[HeaderWord.CHECKSUM] if words[HeaderWord.HAS_CHECKSUM] else None,
         )
 
     def check_expected(self, *, plan: RefitPlan, refit_index: int, buffer_index: int) -> None:
         """Raise ``ValueError`` unless this is the header of ``buffer_index`` of ``refit_index``."""
-        expected = (refit_index, buffer_index, plan.buffers[buffer_index].used_bytes,
+        expected = (refit_index, buffer_index, plan.buffers[buffer_index].wire_bytes,
                     plan.fingerprint_words[0])
-        found = (self.refit_index, self.buffer_index, self.used_bytes, self.fingerprint_word)
+        found = (self.refit_index, self.buffer_index, self.wire_bytes, self.fingerprint_word)
         if found != expected:
             raise ValueError(
-                "buffer header (refit, buffer, used bytes, plan word) = "
+                "buffer header (refit, buffer, wire bytes, plan word) = "
                 f"{found}, expected {expected}: sender and receiver are out of step"
             )
 
@@ -98,53 +104,69 @@ class BufferHeader:
 class BufferSlots:
     """One persistent ``uint8`` tensor per plan slot, plus precomputed views into them.
 
-    Allocate with :meth:`allocate` (zero-filled, so alignment padding is always zero and
-    checksums over whole buffers agree on both sides) or wrap tensors mapped from another process.
+    A buffer sits in slot ``buffer.slot`` on its source and in ``buffer.receiver_slot`` on ranks
+    all buffers pass through (``receiver=True``: every trainer rank of a colocated refit, and the
+    engine that maps its slots); ``slot_map`` (buffer index → slot) overrides both for a receiver
+    that numbers its slots itself. Allocate with :meth:`allocate` (zero-filled, so alignment
+    padding is always zero and checksums over whole buffers agree on both sides) or wrap tensors
+    mapped from another process.
     """
 
-    def __init__(self, *, plan: RefitPlan, slots: Sequence[torch.Tensor]) -> None:
-        if len(slots) != plan.num_slots_total:
-            raise ValueError(f"plan needs {plan.num_slots_total} slots, got {len(slots)}")
+    def __init__(self, *, plan: RefitPlan, slots: Sequence[torch.Tensor],
+                 receiver: bool = False, slot_map: Sequence[int] | None = None) -> None:
+        if len(slots) != plan.num_held_slots:
+            raise ValueError(f"plan needs {plan.num_held_slots} slots, got {len(slots)}")
         for index, slot in enumerate(slots):
             if slot.dtype != torch.uint8 or slot.dim() != 1 or not slot.is_contiguous():
                 raise ValueError(f"slot {index} must be a contiguous 1-D uint8 tensor")
-            if slot.numel() < plan.slot_bytes(index):
+            if slot.numel() < plan.slot_capacity(index):
                 raise ValueError(
                     f"slot {index} has {slot.numel()} bytes, the plan needs "
-                    f"{plan.slot_bytes(index)}"
+                    f"{plan.slot_capacity(index)}"
                 )
         self.plan = plan
+        self._slot_map = (list(slot_map) if slot_map is not None else
+                          [b.receiver_slot if receiver else b.slot for b in plan.buffers])
         self.slots: list[torch.Tensor] = list(slots)
         self.device = self.slots[0].device
         self._views: list[list[torch.Tensor] | None] = [None] * plan.num_buffers
-        self._named: list[list[tuple[str, torch.Tensor]] | None] = [None] * plan.num_buffers
+        self._entries: list[list[tuple[TensorSpec, torch.Tensor]] | None] = (
+            [None] * plan.num_buffers)
         self._groups: list[list[list[int]] | None] = [None] * plan.num_buffers
 
     @classmethod
-    def allocate(cls, plan: RefitPlan, device: torch.device) -> BufferSlots:
+    def allocate(cls, plan: RefitPlan, device: torch.device, *, receiver: bool = False,
+                 slot_map: Sequence[int] | None = None) -> BufferSlots:
         """Allocate the plan's slots on ``device`` (the only allocation a transport makes)."""
-        slots = [torch.zeros(plan.slot_bytes(s), dtype=torch.uint8, device=device)
-                 for s in range(plan.num_slots_total)]
-        return cls(plan=plan, slots=slots)
+        slots = [torch.zeros(plan.slot_capacity(s), dtype=torch.uint8, device=device)
+                 for s in range(plan.num_held_slots)]
+        return cls(plan=plan, slots=slots, receiver=receiver, slot_map=slot_map)
 
     @property
     def held_bytes(self) -> int:
         return sum(slot.numel() for slot in self.slots)
 
+    def slot_index(self, buffer_index: int) -> int:
+        return self._slot_map[buffer_index]
+
     def slot_of(self, buffer_index: int) -> torch.Tensor:
-        return self.slots[self.plan.buffers[buffer_index].slot]
+        return self.slots[self.slot_index(buffer_index)]
 
     def wire_view(self, buffer_index: int) -> torch.Tensor:
         """The bytes a transport moves for this buffer: header and payload."""
-        return self.slot_of(buffer_index)[:self.plan.buffers[buffer_index].used_bytes]
+        return self.slot_of(buffer_index)[:self.plan.buffers[buffer_index].wire_bytes]
 
     def header_view(self, buffer_index: int) -> torch.Tensor:
         return self.slot_of(buffer_index)[:HEADER_BYTES].view(torch.int64)
 
+    def checksum_word(self, buffer_index: int) -> torch.Tensor:
+        """The header's checksum word (0-dim view), where senders write the payload's sum."""
+        return self.header_view(buffer_index)[HeaderWord.CHECKSUM]
+
     def payload_words(self, buffer_index: int) -> torch.Tensor:
         """The buffer's payload as int64 words (for checksums; padding bytes are zero)."""
         buffer = self.plan.buffers[buffer_index]
-        return self.slot_of(buffer_index)[self.plan.payload_offset:buffer.used_bytes].view(
+        return self.slot_of(buffer_index)[self.plan.payload_offset:buffer.wire_bytes].view(
             torch.int64)
 
     def tensor_views(self, buffer_index: int) -> list[torch.Tensor]:
@@ -152,20 +174,22 @@ class BufferSlots:
         views = self._views[buffer_index]
         if views is None:
             buffer = self.plan.buffers[buffer_index]
-            slot = self.slots[buffer.slot]
+            slot = self.slot_of(buffer_index)
             views = [_typed_view(slot, t.offset_bytes, t.spec.shape, t.spec.dtype)
                      for t in self.plan.tensors_of(buffer)]
             self._views[buffer_index] = views
         return views
 
-    def named_views(self, buffer_index: int) -> list[tuple[str, torch.Tensor]]:
-        """``(name, view)`` pairs of the buffer, as handed to ``load_weights`` (cached)."""
-        named = self._named[buffer_index]
-        if named is None:
-            named = list(zip(self.plan.buffer_names(buffer_index),
-                             self.tensor_views(buffer_index), strict=True))
-            self._named[buffer_index] = named
-        return named
+    def entries(self, buffer_index: int) -> list[tuple[TensorSpec, torch.Tensor]]:
+        """``(spec, view)`` of every tensor or piece in the buffer, as handed to the engine
+        (:func:`~mcore_refit.refit.transport.load_into`; cached)."""
+        entries = self._entries[buffer_index]
+        if entries is None:
+            buffer = self.plan.buffers[buffer_index]
+            entries = list(zip((t.spec for t in self.plan.tensors_of(buffer)),
+                               self.tensor_views(buffer_index), strict=True))
+            self._entries[buffer_index] = entries
+        return entries
 
     def pack_from(self, buffer_index: int, reader: SourceReader, *, batched: bool,
                   observe: Callable[[torch.Tensor], None] | None = None) -> None:
@@ -191,7 +215,10 @@ class BufferSlots:
                 tensor = reader.next_tensor(entry)
                 if observe is not None:
                     observe(tensor)
-                view.copy_(tensor)
+                if isinstance(tensor, Piecewise):
+                    torch._foreach_copy_(*tensor.copy_pairs(view))
+                else:
+                    view.copy_(tensor)
 
     def pack(self, buffer_index: int, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` (validated against the plan) into their views, one batch per dtype.
@@ -203,16 +230,22 @@ class BufferSlots:
         assert len(tensors) == len(views), (len(tensors), len(views))
         with torch.no_grad():
             for positions in self._dtype_groups(buffer_index):
-                if positions is None:
-                    torch._foreach_copy_(views, list(tensors))
-                else:
-                    torch._foreach_copy_([views[i] for i in positions],
-                                         [tensors[i] for i in positions])
+                chosen = range(len(views)) if positions is None else positions
+                destinations, sources = [], []
+                for i in chosen:
+                    if isinstance(tensors[i], Piecewise):
+                        into, runs = tensors[i].copy_pairs(views[i])
+                        destinations.extend(into)
+                        sources.extend(runs)
+                    else:
+                        destinations.append(views[i])
+                        sources.append(tensors[i])
+                torch._foreach_copy_(destinations, sources)
 
     def close(self) -> None:
         self.slots.clear()
         self._views = [None] * self.plan.num_buffers
-        self._named = [None] * self.plan.num_buffers
+        self._entries = [None] * self.plan.num_buffers
 
     def _dtype_groups(self, buffer_index: int) -> list[list[int] | None]:
         # [None] means "one dtype: copy the whole buffer in one batch".
@@ -247,17 +280,27 @@ class SourceReader:
         spec = planned.spec
         if item is None:
             raise ValueError(
-                f"the weight source ended after {planned.index} tensors; the refit plan has "
-                f"{self._plan.num_tensors} (next expected: {spec.name!r})"
+                f"the weight source ended before {spec.name!r} (position {planned.index} of the "
+                f"refit plan's {self._plan.num_tensors} tensors)"
             )
         name, tensor = item
-        if name != spec.name or tensor.dtype != spec.dtype or tensor.shape != spec.shape:
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise ValueError(
                 f"the weight source yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} at "
-                f"position {planned.index}, the refit plan expects {spec.name!r} {spec.shape} "
+                f"position {planned.index}, the refit plan expects {spec.label!r} {spec.shape} "
                 f"{spec.dtype}; rebuild the plan when the model changes"
             )
         return tensor
+
+    def skip(self, planned: Sequence[PlannedTensor]) -> None:
+        """Read and drop the source's next tensors for ``planned`` (after a failure, so that
+        ranks reading a collective source in step are not left waiting)."""
+        try:
+            for _ in planned:
+                if next(self._weights, None) is None:
+                    return
+        except Exception:
+            pass  # the source itself failed: that error is already the refit's failure
 
     def extra(self) -> str | None:
         """The name of a tensor the source yields beyond the plan, if any."""
@@ -280,3 +323,19 @@ def _typed_view(slot: torch.Tensor, offset: int, shape: tuple[int, ...],
         numel *= dim
     nbytes = numel * dtype.itemsize
     return slot[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def write_header(slots: BufferSlots, buffer_index: int, *, refit_index: int,
+                 status: BufferStatus, checksum: bool, staging: torch.Tensor) -> None:
+    """Write buffer ``buffer_index``'s header into its slot (and, with ``checksum``, the sum of
+    its payload), on the current stream. ``staging`` is a host tensor of at least
+    ``HEADER_WORDS`` int64 words that no pending copy still reads (pinned on CUDA)."""
+    plan = slots.plan
+    header = BufferHeader(refit_index=refit_index, buffer_index=buffer_index, status=status,
+                          wire_bytes=plan.buffers[buffer_index].wire_bytes,
+                          fingerprint_word=plan.fingerprint_words[0],
+                          checksum=0 if checksum else None)
+    staging[:HEADER_WORDS] = torch.tensor(header.to_words(), dtype=torch.int64)
+    slots.header_view(buffer_index).copy_(staging[:HEADER_WORDS], non_blocking=True)
+    if checksum:
+        buffer_checksum(slots.payload_words(buffer_index), out=slots.checksum_word(buffer_index))

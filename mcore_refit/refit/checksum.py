@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from mcore_refit.refit.plan import TensorSpec
+
 DIGEST_WORDS = 3
 
 
@@ -74,8 +76,10 @@ class DigestRecorder:
         self.rows: list[torch.Tensor] = []
         self.seconds = 0.0
 
-    def __call__(self, tensor: torch.Tensor) -> None:
+    def __call__(self, tensor) -> None:
         start = time.perf_counter()
+        if hasattr(tensor, "materialize"):  # a Piecewise tensor
+            tensor = tensor.materialize()
         self.rows.append(self._digester.digest(tensor))
         self.seconds += time.perf_counter() - start
 
@@ -110,24 +114,33 @@ def _as_words(tensor: torch.Tensor) -> torch.Tensor:
     return words if dtype == torch.int64 else words.to(torch.int64)
 
 
-def verify_engine_weights(engine: object, names: Sequence[str], expected: torch.Tensor, *,
+def verify_engine_weights(engine: object, specs: Sequence[TensorSpec], expected: torch.Tensor, *,
                           max_names: int = 10) -> str | None:
     """Compare the engine's loaded weights with the sender's digest table.
 
-    ``engine`` must offer ``get_weight(name)`` (:class:`~mcore_refit.refit.transport.WeightReader`).
-    ``expected`` is the ``[len(names), 3]`` table of the trainer's digests. Returns ``None`` when
-    every tensor matches, else a message naming the mismatches.
+    ``engine`` must offer ``get_weight(name)``. ``expected`` is the ``[len(specs), 3]`` table of
+    the trainer's digests of every planned tensor (a piece is compared with its region of the
+    engine's weight). Returns ``None`` when every tensor matches, else a message naming the
+    mismatches.
     """
     get_weight = getattr(engine, "get_weight", None)
     if get_weight is None:
         return (f"cannot verify: the engine ({type(engine).__name__}) has no get_weight(name) to "
                 "read its weights back")
     digester = TensorDigester(expected.device)
-    actual = digester.table(get_weight(name) for name in names)
-    bad = mismatched_names(names, expected, actual)
+
+    def loaded(spec: TensorSpec) -> torch.Tensor:
+        weight = get_weight(spec.name)
+        if spec.region is None:
+            return weight
+        return spec.region.narrow(weight, spec.shape[spec.region.dim])
+
+    actual = digester.table(loaded(spec) for spec in specs)
+    labels = [spec.label for spec in specs]
+    bad = mismatched_names(labels, expected, actual)
     if not bad:
         return None
     shown = ", ".join(repr(n) for n in bad[:max_names])
     more = f" and {len(bad) - max_names} more" if len(bad) > max_names else ""
-    return (f"post-refit check failed: {len(bad)} of {len(names)} engine weights differ "
+    return (f"post-refit check failed: {len(bad)} of {len(specs)} engine weights differ "
             f"from the trainer's export: {shown}{more}")

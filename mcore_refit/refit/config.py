@@ -1,41 +1,82 @@
-"""Refit configuration: buffer sizing, transport mode, timeouts and verification switches.
+"""Refit configuration: where weights go (``mode``), how the plan lays them out (``plan``), and
+how the transports behave (``transport``).
 
-Buffer size semantics (one rule, resolved on the trainer only): each of the ``num_buffers``
-buffers holds at most ``buffer_bytes`` bytes, or ``buffer_fraction`` × the *total* memory of the
-trainer's device (total, not free: free memory differs between ranks and moments, and the plan
-must be identical on both sides). The size is rounded down to ``alignment_bytes``. With neither
-key set a buffer is :data:`DEFAULT_BUFFER_BYTES`. The receiver never resolves a size of its own:
-it takes the plan from the trainer (or checks its own against the trainer's fingerprint).
+The two halves have different lifetimes. :class:`PlanConfig` is a *planning input*: the trainer
+resolves it once into a :class:`~mcore_refit.refit.plan.RefitPlan`, whose fingerprint every
+receiver checks, so it must be identical on both sides. :class:`TransportOptions` are per-process
+switches (timeouts, checksums, where sockets live) that never change the layout. Transports take
+the plan and the options, never the whole config.
+
+Slot size (one rule, resolved on the trainer only): a slot holds at most ``plan.slot_bytes``
+bytes, or ``plan.slot_fraction`` × the *total* memory of the trainer's device (total, not free:
+free memory differs between ranks and moments, and the plan must be identical on both sides),
+rounded down to ``plan.alignment_bytes``; with neither set, :data:`DEFAULT_SLOT_BYTES`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_args
 
 import torch
 
-DEFAULT_BUFFER_BYTES = 1 << 30
+from mcore_refit.config import ConfigError
+
+DEFAULT_SLOT_BYTES = 1 << 30
 RefitMode = Literal["colocated", "non_colocated"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class RefitConfig:
-    """How weights move from the trainer to the inference engine (the ``refit`` section)."""
+class PlanConfig:
+    """How tensors are laid out in slots (the ``refit.plan`` section)."""
 
-    # non_colocated: broadcast over a process group to other GPUs; colocated: ZMQ + CUDA IPC
-    # (shared memory on CPU) to an engine process on the same device.
-    mode: RefitMode = "non_colocated"
-    # Capacity of one buffer in bytes; mutually exclusive with buffer_fraction.
-    buffer_bytes: int | None = None
-    # Capacity of one buffer as a fraction of the trainer device's total memory, in (0, 1].
-    buffer_fraction: float | None = None
-    # Buffers filled round-robin so packing one overlaps the transfer of another (1 = no overlap).
-    num_buffers: int = 2
+    # Capacity of one slot in bytes; mutually exclusive with slot_fraction.
+    slot_bytes: int | None = None
+    # Capacity of one slot as a fraction of the trainer device's total memory, in (0, 1].
+    slot_fraction: float | None = None
+    # Slots filled round-robin, so packing one overlaps the transfer of another (1 = no overlap).
+    num_slots: int = 2
     # Every tensor starts at a multiple of this many bytes inside its buffer (power of two, ≥ 16).
     alignment_bytes: int = 256
+
+    def __post_init__(self) -> None:
+        if self.slot_bytes is not None and self.slot_fraction is not None:
+            raise ConfigError(f"set only one of `slot_bytes` and `slot_fraction`, got "
+                              f"{self.slot_bytes} and {self.slot_fraction}")
+        _require_int_at_least("num_slots", self.num_slots, 1)
+        _require_int_at_least("alignment_bytes", self.alignment_bytes, 16)
+        if self.alignment_bytes & (self.alignment_bytes - 1):
+            raise ConfigError(f"`alignment_bytes` must be a power of two, got "
+                              f"{self.alignment_bytes}")
+        if self.slot_bytes is not None:
+            _require_int_at_least("slot_bytes", self.slot_bytes, 2 * self.alignment_bytes)
+        if self.slot_fraction is not None:
+            fraction = self.slot_fraction
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+                    math.isfinite(fraction) and 0.0 < fraction <= 1.0):
+                raise ConfigError(f"`slot_fraction` must be in (0, 1], got {fraction!r}")
+
+    def resolve_slot_bytes(self, device: torch.device) -> int:
+        """Bytes per slot on ``device`` (see the module docstring), aligned down."""
+        if self.slot_bytes is not None:
+            size = self.slot_bytes
+        elif self.slot_fraction is not None:
+            size = int(self.slot_fraction * total_device_memory(device))
+        else:
+            size = DEFAULT_SLOT_BYTES
+        size -= size % self.alignment_bytes
+        if size < 2 * self.alignment_bytes:
+            raise ConfigError(f"`slot_fraction`={self.slot_fraction} gives {size} bytes per slot "
+                              f"on {device}; need at least {2 * self.alignment_bytes}")
+        return size
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportOptions:
+    """How the transports behave (the ``refit.transport`` section); never changes the layout."""
+
     # Bound on every wait inside a refit (a buffer's transfer, an ACK, a status exchange).
     timeout_s: float = 300.0
     # Bound on the wait for the peer to start a refit (the engine may be busy generating).
@@ -47,50 +88,43 @@ class RefitConfig:
     ipc_dir: str | None = None
     # Record peak device memory per refit (resets the device's peak-memory counter each refit).
     track_peak_memory: bool = True
+    # While waiting on a peer process (an engine's reply), check this often that it still lives:
+    # a dead peer is an error within this many seconds, not after the timeout.
+    liveness_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("colocated", "non_colocated"):
-            raise ValueError(
-                f"refit.mode must be 'colocated' or 'non_colocated', got {self.mode!r}"
-            )
-        if self.buffer_bytes is not None and self.buffer_fraction is not None:
-            raise ValueError(
-                "set only one of refit.buffer_bytes and refit.buffer_fraction, "
-                f"got {self.buffer_bytes} and {self.buffer_fraction}"
-            )
-        _require_int_at_least("refit.num_buffers", self.num_buffers, 1)
-        _require_int_at_least("refit.alignment_bytes", self.alignment_bytes, 16)
-        if self.alignment_bytes & (self.alignment_bytes - 1):
-            raise ValueError(
-                f"refit.alignment_bytes must be a power of two, got {self.alignment_bytes}"
-            )
-        if self.buffer_bytes is not None:
-            _require_int_at_least("refit.buffer_bytes", self.buffer_bytes,
-                                  2 * self.alignment_bytes)
-        if self.buffer_fraction is not None:
-            fraction = self.buffer_fraction
-            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
-                math.isfinite(fraction) and 0.0 < fraction <= 1.0
-            ):
-                raise ValueError(f"refit.buffer_fraction must be in (0, 1], got {fraction!r}")
-        _require_positive_seconds("refit.timeout_s", self.timeout_s)
-        _require_positive_seconds("refit.start_timeout_s", self.start_timeout_s)
+        _require_positive_seconds("timeout_s", self.timeout_s)
+        _require_positive_seconds("start_timeout_s", self.start_timeout_s)
+        _require_positive_seconds("liveness_s", self.liveness_s)
 
-    def resolve_buffer_bytes(self, device: torch.device) -> int:
-        """Bytes per buffer on ``device`` (see the module docstring), aligned down."""
-        if self.buffer_bytes is not None:
-            size = self.buffer_bytes
-        elif self.buffer_fraction is not None:
-            size = int(self.buffer_fraction * total_device_memory(device))
-        else:
-            size = DEFAULT_BUFFER_BYTES
-        size -= size % self.alignment_bytes
-        if size < 2 * self.alignment_bytes:
-            raise ValueError(
-                f"refit.buffer_fraction={self.buffer_fraction} gives {size} bytes per buffer on "
-                f"{device}; need at least {2 * self.alignment_bytes}"
-            )
-        return size
+
+@dataclass(frozen=True, kw_only=True)
+class RefitConfig:
+    """How weights move from the trainer to the inference engine (the ``refit`` section)."""
+
+    # Keys of the flat section before the plan/transport split.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "buffer_bytes": "plan.slot_bytes",
+        "buffer_fraction": "plan.slot_fraction",
+        "num_buffers": "plan.num_slots",
+        "alignment_bytes": "plan.alignment_bytes",
+        "timeout_s": "transport.timeout_s",
+        "start_timeout_s": "transport.start_timeout_s",
+        "checksums": "transport.checksums",
+        "ipc_dir": "transport.ipc_dir",
+        "track_peak_memory": "transport.track_peak_memory",
+    }
+
+    # non_colocated: broadcast over process groups to other GPUs; colocated: ZMQ + CUDA IPC
+    # (shared memory on CPU) to an engine process on the same device.
+    mode: RefitMode = "non_colocated"
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    transport: TransportOptions = field(default_factory=TransportOptions)
+
+    def __post_init__(self) -> None:
+        if self.mode not in get_args(RefitMode):
+            allowed = ", ".join(repr(m) for m in get_args(RefitMode))
+            raise ConfigError(f"config key '`mode`' must be one of {allowed}, got {self.mode!r}")
 
 
 def total_device_memory(device: torch.device) -> int:
@@ -102,11 +136,10 @@ def total_device_memory(device: torch.device) -> int:
 
 def _require_int_at_least(key: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key} must be an integer ≥ {minimum}, got {value!r}")
+        raise ConfigError(f"`{key}` must be an integer ≥ {minimum}, got {value!r}")
 
 
 def _require_positive_seconds(key: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value > 0
-    ):
-        raise ValueError(f"{key} must be a positive number of seconds, got {value!r}")
+            math.isfinite(value) and value > 0):
+        raise ConfigError(f"`{key}` must be a positive number of seconds, got {value!r}")

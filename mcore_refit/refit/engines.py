@@ -12,14 +12,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from mcore_refit.refit.source import TensorSpec
+from mcore_refit.refit.plan import Region, TensorSpec
 
 
 class NamedTensorEngine:
     """Copies ``(name, tensor)`` pairs into the tensor of that name; checks shapes and dtypes.
 
-    A ``load_weights`` call validates every pair before copying any, so a bad name leaves this
-    call's targets untouched; copies are batched per dtype on the current stream.
+    A ``load_weights`` (or ``load_weight_pieces``) call validates every pair before copying any,
+    so a bad name leaves this call's targets untouched; copies are batched per dtype on the
+    current stream.
     """
 
     def __init__(self, targets: Mapping[str, torch.Tensor], *, description: str) -> None:
@@ -32,14 +33,8 @@ class NamedTensorEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        targets = self._targets
         for name, tensor in weights:
-            target = targets.get(name)
-            if target is None:
-                raise ValueError(
-                    f"unknown weight name {name!r}: {self._description} has no parameter or "
-                    "buffer of that name"
-                )
+            target = self._target(name)
             if target.shape != tensor.shape or target.dtype != tensor.dtype:
                 raise ValueError(
                     f"weight {name!r}: received {tuple(tensor.shape)} {tensor.dtype}, "
@@ -52,11 +47,39 @@ class NamedTensorEngine:
             for destinations, sources in batches.values():
                 torch._foreach_copy_(destinations, sources)
 
+    def load_weight_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
+        """Copy each piece into its region of the named tensor; checked like ``load_weights``."""
+        batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for name, piece, region in pieces:
+            target = self._target(name)
+            shape = list(target.shape)
+            if 0 <= region.dim < len(shape) and shape[region.dim] == region.full:
+                shape[region.dim] = piece.shape[region.dim]
+            fits = (piece.dim() == target.dim() and list(piece.shape) == shape
+                    and region.start + piece.shape[region.dim] <= region.full)
+            if not fits or piece.dtype != target.dtype:
+                raise ValueError(
+                    f"weight {name!r}: received a piece {tuple(piece.shape)} {piece.dtype} at "
+                    f"{region}, {self._description} holds {tuple(target.shape)} {target.dtype}")
+            destinations, sources = batches.setdefault(target.dtype, ([], []))
+            destinations.append(region.narrow(target, piece.shape[region.dim]))
+            sources.append(piece)
+        with torch.no_grad():
+            for destinations, sources in batches.values():
+                torch._foreach_copy_(destinations, sources)
+
     def get_weight(self, name: str) -> torch.Tensor:
         target = self._targets.get(name)
         if target is None:
             raise ValueError(f"unknown weight name {name!r} in {self._description}")
         return target.detach()
+
+    def _target(self, name: str) -> torch.Tensor:
+        target = self._targets.get(name)
+        if target is None:
+            raise ValueError(f"unknown weight name {name!r}: {self._description} has no "
+                             "parameter or buffer of that name")
+        return target
 
 
 class TensorDictEngine(NamedTensorEngine):
@@ -64,7 +87,13 @@ class TensorDictEngine(NamedTensorEngine):
 
     @classmethod
     def from_specs(cls, specs: Sequence[TensorSpec], *, device: torch.device) -> TensorDictEngine:
-        targets = {s.name: torch.zeros(s.shape, dtype=s.dtype, device=device) for s in specs}
+        """Zero tensors for ``specs`` (pieces stand for their whole tensor)."""
+        targets = {}
+        for spec in specs:
+            shape = list(spec.shape)
+            if spec.region is not None:
+                shape[spec.region.dim] = spec.region.full
+            targets[spec.name] = torch.zeros(shape, dtype=spec.dtype, device=device)
         return cls(targets, description=f"the tensor-dict engine on {device}")
 
 

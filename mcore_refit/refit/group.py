@@ -86,12 +86,32 @@ class GroupCollectives:
         far), and ``done`` is recorded on ``stream`` once NCCL finished (``work.wait()`` only
         orders the stream; the host never blocks here).
         """
+        options = dist.BroadcastOptions()
+        options.rootRank = src_rank
+        return self._issue(lambda: self.group.broadcast([tensor], options), what=what,
+                           stream=stream, done=done)
+
+    def send_async(self, tensor: torch.Tensor, *, dst_rank: int, what: str,
+                   stream: torch.cuda.Stream | None = None,
+                   done: torch.cuda.Event | None = None) -> PendingTransfer:
+        """Start sending ``tensor`` to group rank ``dst_rank`` (see :meth:`broadcast_async`)."""
+        return self._issue(lambda: self.group.send([tensor], dst_rank, 0), what=what,
+                           stream=stream, done=done)
+
+    def recv_async(self, tensor: torch.Tensor, *, src_rank: int, what: str,
+                   stream: torch.cuda.Stream | None = None,
+                   done: torch.cuda.Event | None = None) -> PendingTransfer:
+        """Start receiving into ``tensor`` from group rank ``src_rank``."""
+        return self._issue(lambda: self.group.recv([tensor], src_rank, 0), what=what,
+                           stream=stream, done=done)
+
+    def _issue(self, start, *, what: str, stream: torch.cuda.Stream | None,
+               done: torch.cuda.Event | None) -> PendingTransfer:
         if not self.streams.is_cuda:
-            work = self._broadcast(tensor, src_rank)
-            return PendingTransfer(work=work, done=None, what=what)
+            return PendingTransfer(work=start(), done=None, what=what)
         done = done if done is not None else self.streams.new_event()
         with self.streams.use(stream):
-            work = self._broadcast(tensor, src_rank)
+            work = start()
             work.wait()
             self.streams.record(done)
         return PendingTransfer(work=None, done=done, what=what)
@@ -100,11 +120,6 @@ class GroupCollectives:
                   timeout_s: float) -> None:
         self.broadcast_async(tensor, src_rank=src_rank, what=what).wait_host(
             self.streams, timeout_s=timeout_s)
-
-    def _broadcast(self, tensor: torch.Tensor, src_rank: int) -> dist.Work:
-        options = dist.BroadcastOptions()
-        options.rootRank = src_rank
-        return self.group.broadcast([tensor], options)
 
     def all_reduce_sum(self, tensor: torch.Tensor, *, what: str, timeout_s: float) -> None:
         options = dist.AllreduceOptions()

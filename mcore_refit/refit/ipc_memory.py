@@ -17,10 +17,12 @@ import re
 import socket
 import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from mcore_refit.refit.wire import SlotHandle
 
 _KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}$")
 _SLOT_FILE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}\.slot[0-9]{1,3}$")
@@ -122,8 +124,11 @@ def create_shared_cpu_slot(path: Path, nbytes: int) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def describe_slot(slot: torch.Tensor, *, cpu_file: Path | None) -> tuple[dict[str, Any], list]:
-    """Wire description of a slot: JSON-safe fields and raw blobs (handles)."""
+def describe_slot(slot: torch.Tensor, *, cpu_file: Path | None,
+                  first_blob: int = 0) -> tuple[SlotHandle, list[bytes]]:
+    """How another process maps ``slot``: a handle and its raw blobs (the CUDA IPC handle, its
+    ref-counter and event handles; none for a shared-memory file). ``first_blob`` is where the
+    blobs will sit among all blobs of the message."""
     if slot.device.type == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -133,56 +138,44 @@ def describe_slot(slot: torch.Tensor, *, cpu_file: Path | None) -> tuple[dict[st
          storage_offset_bytes, _, ref_counter_handle, ref_counter_offset, event_handle,
          event_sync_required) = args
         assert tuple(size) == (slot.numel(),) and tuple(stride) == (1,) and dtype == torch.uint8
-        fields = {
-            "kind": "cuda", "nbytes": slot.numel(), "tensor_offset": tensor_offset,
-            "storage_size_bytes": storage_size_bytes,
-            "storage_offset_bytes": storage_offset_bytes,
-            "ref_counter_offset": ref_counter_offset,
-            "event_sync_required": bool(event_sync_required),
-            "has_event_handle": event_handle is not None,
-        }
-        return fields, [bytes(handle), bytes(ref_counter_handle), bytes(event_handle or b"")]
+        blobs = [bytes(handle), bytes(ref_counter_handle), bytes(event_handle or b"")]
+        return SlotHandle(
+            kind="cuda", nbytes=slot.numel(), first_blob=first_blob, num_blobs=len(blobs),
+            tensor_offset=tensor_offset, storage_size_bytes=storage_size_bytes,
+            storage_offset_bytes=storage_offset_bytes, ref_counter_offset=ref_counter_offset,
+            event_sync_required=bool(event_sync_required),
+            has_event_handle=event_handle is not None), blobs
     assert cpu_file is not None
-    return {"kind": "shm", "nbytes": slot.numel(), "file": cpu_file.name}, []
+    return SlotHandle(kind="shm", nbytes=slot.numel(), file=cpu_file.name), []
 
 
-def open_slot(fields: dict[str, Any], blobs: list[bytes], *, device: torch.device,
+def open_slot(handle: SlotHandle, blobs: Sequence[bytes], *, device: torch.device,
               directory: Path) -> torch.Tensor:
-    """Map a slot described by :func:`describe_slot` into this process."""
-    kind = fields.get("kind")
-    nbytes = _int_field(fields, "nbytes")
-    if kind == "shm":
+    """Map a slot described by :func:`describe_slot` into this process (``blobs`` are all the
+    message's blobs)."""
+    if handle.nbytes < 0:
+        raise ValueError(f"slot size must be non-negative, got {handle.nbytes}")
+    if handle.kind == "shm":
         if device.type != "cpu":
             raise ValueError(f"the trainer shares CPU memory but this engine is on {device}")
-        name = fields.get("file")
+        name = handle.file
         if not isinstance(name, str) or not _SLOT_FILE_PATTERN.match(name):
             raise ValueError(f"invalid shared-memory file name {name!r}")
         path = directory / name
         if os.lstat(path).st_uid != os.getuid():
             raise ValueError(f"{path} is not owned by this user")
-        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    if kind == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"the trainer shares GPU memory but this engine is on {device}")
-        if len(blobs) != 3:
-            raise ValueError(f"a CUDA slot needs 3 handle blobs, got {len(blobs)}")
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        return torch.from_file(str(path), shared=True, size=handle.nbytes, dtype=torch.uint8)
+    if device.type != "cuda":
+        raise ValueError(f"the trainer shares GPU memory but this engine is on {device}")
+    own = blobs[handle.first_blob:handle.first_blob + handle.num_blobs]
+    if len(own) != 3:
+        raise ValueError(f"a CUDA slot needs 3 handle blobs, got {len(own)}")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        handle, ref_counter_handle, event_handle = blobs
-        if not fields.get("has_event_handle"):
-            event_handle = None
-        return rebuild_cuda_tensor(
-            torch.Tensor, (nbytes,), (1,), _int_field(fields, "tensor_offset"),
-            torch.storage.TypedStorage, torch.uint8, device.index, handle,
-            _int_field(fields, "storage_size_bytes"), _int_field(fields, "storage_offset_bytes"),
-            False, ref_counter_handle, _int_field(fields, "ref_counter_offset"), event_handle,
-            bool(fields.get("event_sync_required")),
-        )
-    raise ValueError(f"unknown slot kind {kind!r}")
-
-
-def _int_field(fields: dict[str, Any], key: str) -> int:
-    value = fields.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"slot field {key!r} must be a non-negative integer, got {value!r}")
-    return value
+    ipc_handle, ref_counter_handle, event_handle = own
+    return rebuild_cuda_tensor(
+        torch.Tensor, (handle.nbytes,), (1,), handle.tensor_offset, torch.storage.TypedStorage,
+        torch.uint8, device.index, ipc_handle, handle.storage_size_bytes,
+        handle.storage_offset_bytes, False, ref_counter_handle, handle.ref_counter_offset,
+        event_handle if handle.has_event_handle else None, handle.event_sync_required,
+    )

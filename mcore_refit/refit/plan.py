@@ -1,15 +1,28 @@
-"""The refit plan: which tensor goes into which buffer at which offset. Pure, built once.
+"""The refit plan: which tensor goes into which buffer, at which offset, sent by which rank.
+
+Pure and built once. Terms used throughout the refit engine:
+
+- a *slot* is a persistent byte tensor, allocated once per side; ``slot_bytes`` is its capacity;
+- a *buffer* is one slot's worth of packed tensors in one refit (``num_buffers`` per refit);
+- a buffer's *source* is the trainer rank that fills and sends it (several ranks send when each
+  exports the weights it holds); ``wire_bytes`` are the bytes it moves (header + payload);
+- *payload bytes* are the tensors' own bytes (what a refit delivers); *held bytes* the device
+  memory one side's slots take.
 
 Layout rules:
 
-- tensors keep the source's order; a buffer takes tensors until the next one would overflow it;
+- tensors of one source keep their order; a buffer holds tensors of one source only, taking
+  tensors until the next one would overflow it; the buffers of different sources are interleaved
+  round-robin (sources in order of first appearance), so every source works at once;
 - every buffer starts with a :data:`HEADER_BYTES` header (written by the transports), and every
   tensor starts at a multiple of ``alignment_bytes``;
 - a tensor that does not fit in an empty buffer travels alone in an *oversized* buffer of its own
   size;
-- regular buffers use slots ``0 .. num_slots-1`` round-robin; every oversized buffer uses one
-  extra slot, ``num_slots``, sized to the largest of them. Device memory held by the buffers is
-  therefore ``num_slots × buffer_bytes + largest oversized buffer``.
+- regular buffers use slots ``0 .. num_slots-1`` round-robin: on their source, counting that
+  source's buffers (:attr:`PlannedBuffer.slot`), and on receivers, counting all buffers
+  (:attr:`PlannedBuffer.receiver_slot`); oversized buffers use one extra slot, ``num_slots``,
+  sized to the largest of them. Device memory held per side is therefore
+  ``num_slots × slot_bytes + largest oversized buffer``.
 
 The fingerprint hashes all of the above; both ends of a transport compare fingerprints at the
 start of every refit.
@@ -26,16 +39,63 @@ from functools import cached_property
 
 import torch
 
-from mcore_refit.refit.source import TensorSpec
-
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 # Bytes reserved at the start of every buffer for the transport's header (see buffers.py).
 HEADER_BYTES = 64
 
 
 @dataclass(frozen=True)
+class Region:
+    """Where a piece sits in its named tensor: ``[start, start + piece.shape[dim])`` along ``dim``,
+    whose full size there is ``full`` (the other dimensions are whole)."""
+
+    dim: int
+    start: int
+    full: int
+
+    def narrow(self, tensor: torch.Tensor, length: int) -> torch.Tensor:
+        """The piece's place in ``tensor`` (the whole named tensor)."""
+        return tensor.narrow(self.dim, self.start, length)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one exported tensor, or of a piece of it (``region``: a rank
+    that holds a tensor-parallel shard sends the piece it holds)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    region: Region | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def label(self) -> str:
+        """The name, with the piece's place when it is a piece (for messages)."""
+        if self.region is None:
+            return self.name
+        region = self.region
+        return (f"{self.name}[dim {region.dim}: {region.start}:"
+                f"{region.start + self.shape[region.dim]} of {region.full}]")
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name=name, shape=tuple(tensor.shape), dtype=tensor.dtype)
+
+
+@dataclass(frozen=True)
 class PlannedTensor:
-    """One tensor's place: its position in the source order, its buffer and byte offset."""
+    """One tensor's place: its position in plan order, its buffer and byte offset."""
 
     spec: TensorSpec
     index: int
@@ -45,14 +105,17 @@ class PlannedTensor:
 
 @dataclass(frozen=True)
 class PlannedBuffer:
-    """One buffer of a refit: the tensors ``[first_tensor, stop_tensor)`` and the slot it uses."""
+    """One buffer of a refit: the tensors ``[first_tensor, stop_tensor)``, their source rank and
+    the slot the buffer uses on its source (``slot``) and on receivers (``receiver_slot``)."""
 
     index: int
+    source: int
     slot: int
+    receiver_slot: int
     first_tensor: int
     stop_tensor: int
     # Header + payload rounded up to the alignment: the bytes a transport moves.
-    used_bytes: int
+    wire_bytes: int
     oversized: bool
 
     @property
@@ -66,7 +129,7 @@ class RefitPlan:
 
     tensors: tuple[PlannedTensor, ...]
     buffers: tuple[PlannedBuffer, ...]
-    buffer_bytes: int
+    slot_bytes: int
     num_slots: int
     alignment_bytes: int
     header_bytes: int
@@ -79,12 +142,12 @@ class RefitPlan:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Hex SHA-256 of every name, shape, dtype, offset and buffer boundary of the plan."""
+        """Hex SHA-256 of every name, shape, dtype, offset, source and buffer boundary."""
         return hashlib.sha256(_canonical_json(self).encode()).hexdigest()
 
     @property
     def fingerprint_words(self) -> tuple[int, int]:
-        """The fingerprint's first 16 bytes as two signed int64 (for collective exchanges)."""
+        """The fingerprint's first 16 bytes as two signed int64 (for headers and exchanges)."""
         return struct.unpack("<qq", bytes.fromhex(self.fingerprint)[:16])
 
     @cached_property
@@ -101,8 +164,8 @@ class RefitPlan:
         return len(self.tensors)
 
     @cached_property
-    def total_bytes(self) -> int:
-        """Payload bytes: the sum of all tensor sizes (what a refit delivers)."""
+    def payload_bytes(self) -> int:
+        """The sum of all tensor sizes: what a refit delivers."""
         return sum(t.spec.num_bytes for t in self.tensors)
 
     @cached_property
@@ -112,93 +175,110 @@ class RefitPlan:
     @cached_property
     def oversized_slot_bytes(self) -> int:
         """Size of the extra slot for oversized buffers (0 when the plan has none)."""
-        return max((b.used_bytes for b in self.buffers if b.oversized), default=0)
+        return max((b.wire_bytes for b in self.buffers if b.oversized), default=0)
 
     @property
-    def num_slots_total(self) -> int:
-        """Slots to allocate: the regular ones plus one for oversized buffers, if any."""
+    def num_held_slots(self) -> int:
+        """Slots one side allocates: the regular ones plus one for oversized buffers, if any."""
         return self.num_slots + (1 if self.oversized_slot_bytes else 0)
 
-    def slot_bytes(self, slot: int) -> int:
-        assert 0 <= slot < self.num_slots_total, slot
-        return self.buffer_bytes if slot < self.num_slots else self.oversized_slot_bytes
+    def slot_capacity(self, slot: int) -> int:
+        assert 0 <= slot < self.num_held_slots, slot
+        return self.slot_bytes if slot < self.num_slots else self.oversized_slot_bytes
 
     @cached_property
     def held_bytes(self) -> int:
-        """Device bytes held by one side's buffers for this plan."""
-        return sum(self.slot_bytes(s) for s in range(self.num_slots_total))
+        """Device bytes held by one side's slots for this plan."""
+        return sum(self.slot_capacity(s) for s in range(self.num_held_slots))
+
+    @cached_property
+    def sources(self) -> tuple[int, ...]:
+        """The ranks that send buffers, in order of their first buffer."""
+        return tuple(dict.fromkeys(b.source for b in self.buffers))
+
+    def buffers_from(self, source: int) -> tuple[PlannedBuffer, ...]:
+        """The buffers ``source`` fills, in plan order."""
+        return tuple(b for b in self.buffers if b.source == source)
 
     def tensors_of(self, buffer: PlannedBuffer) -> tuple[PlannedTensor, ...]:
         return self.tensors[buffer.first_tensor:buffer.stop_tensor]
 
     @cached_property
     def names(self) -> tuple[str, ...]:
+        """Every entry's tensor name, in plan order (a tensor sent in pieces appears once per
+        piece)."""
         return tuple(t.spec.name for t in self.tensors)
 
     def buffer_names(self, buffer_index: int) -> tuple[str, ...]:
+        """The labels of the buffer's entries (names, with the place of pieces)."""
         buffer = self.buffers[buffer_index]
-        return self.names[buffer.first_tensor:buffer.stop_tensor]
+        return tuple(t.spec.label for t in self.tensors[buffer.first_tensor:buffer.stop_tensor])
 
     def specs(self) -> list[TensorSpec]:
         return [t.spec for t in self.tensors]
+
+    def tensor_sources(self) -> list[int]:
+        """The source rank of every tensor, in plan order."""
+        return [self.buffers[t.buffer_index].source for t in self.tensors]
 
     def to_json(self) -> str:
         """Plain-data form for the wire; :func:`plan_from_json` rebuilds and re-checks it."""
         return json.dumps({
             "version": PLAN_FORMAT_VERSION,
             "fingerprint": self.fingerprint,
-            "buffer_bytes": self.buffer_bytes,
+            "slot_bytes": self.slot_bytes,
             "num_slots": self.num_slots,
             "alignment_bytes": self.alignment_bytes,
             "header_bytes": self.header_bytes,
-            "specs": [[t.spec.name, list(t.spec.shape), dtype_name(t.spec.dtype)]
-                      for t in self.tensors],
+            "specs": [spec_to_json(t.spec) for t in self.tensors],
+            "sources": self.tensor_sources(),
         }, separators=(",", ":"))
 
 
-def build_plan(specs: Sequence[TensorSpec], *, buffer_bytes: int, num_slots: int,
-               alignment_bytes: int = 256, header_bytes: int = HEADER_BYTES) -> RefitPlan:
-    """Lay ``specs`` out in buffers of at most ``buffer_bytes`` (see the module docstring)."""
-    _check_layout_args(buffer_bytes=buffer_bytes, num_slots=num_slots,
+def build_plan(specs: Sequence[TensorSpec], *, slot_bytes: int, num_slots: int,
+               alignment_bytes: int = 256, header_bytes: int = HEADER_BYTES,
+               sources: Sequence[int] | None = None) -> RefitPlan:
+    """Lay ``specs`` out in buffers of at most ``slot_bytes`` (see the module docstring).
+
+    ``sources[i]`` is the rank that produces ``specs[i]`` (default: rank 0 for all).
+    """
+    _check_layout_args(slot_bytes=slot_bytes, num_slots=num_slots,
                        alignment_bytes=alignment_bytes, header_bytes=header_bytes)
     _check_specs(specs)
+    if sources is None:
+        sources = [0] * len(specs)
+    if len(sources) != len(specs):
+        raise ValueError(f"{len(sources)} sources for {len(specs)} tensors")
+    by_source: dict[int, list[TensorSpec]] = {}
+    for spec, source in zip(specs, sources, strict=True):
+        by_source.setdefault(int(source), []).append(spec)
     start = _align_up(header_bytes, alignment_bytes)
+    chunks = {source: _layout(own, slot_bytes=slot_bytes, start=start,
+                              alignment_bytes=alignment_bytes)
+              for source, own in by_source.items()}
+
     tensors: list[PlannedTensor] = []
     buffers: list[PlannedBuffer] = []
-    num_regular = 0
-    first = 0
-    cursor = start
-
-    def close(*, oversized: bool) -> None:
-        nonlocal first, cursor, num_regular
-        slot = num_slots if oversized else num_regular % num_slots
-        num_regular += 0 if oversized else 1
-        buffers.append(PlannedBuffer(
-            index=len(buffers), slot=slot, first_tensor=first, stop_tensor=len(tensors),
-            used_bytes=_align_up(cursor, alignment_bytes), oversized=oversized,
-        ))
-        first, cursor = len(tensors), start
-
-    for spec in specs:
-        nbytes = spec.num_bytes
-        if start + nbytes > buffer_bytes:
-            if len(tensors) > first:
-                close(oversized=False)
+    regular_on_source = dict.fromkeys(chunks, 0)
+    regular_on_receivers = 0
+    for source, chunk in _round_robin(chunks):
+        placed, wire_bytes, oversized = chunk
+        if oversized:
+            slot = receiver_slot = num_slots
+        else:
+            slot = regular_on_source[source] % num_slots
+            receiver_slot = regular_on_receivers % num_slots
+            regular_on_source[source] += 1
+            regular_on_receivers += 1
+        first = len(tensors)
+        for spec, offset in placed:
             tensors.append(PlannedTensor(spec=spec, index=len(tensors),
-                                         buffer_index=len(buffers), offset_bytes=start))
-            cursor = start + nbytes
-            close(oversized=True)
-            continue
-        offset = _align_up(cursor, alignment_bytes)
-        if offset + nbytes > buffer_bytes:
-            close(oversized=False)
-            offset = start
-        tensors.append(PlannedTensor(spec=spec, index=len(tensors), buffer_index=len(buffers),
-                                     offset_bytes=offset))
-        cursor = offset + nbytes
-    if len(tensors) > first:
-        close(oversized=False)
-    return RefitPlan(tensors=tuple(tensors), buffers=tuple(buffers), buffer_bytes=buffer_bytes,
+                                         buffer_index=len(buffers), offset_bytes=offset))
+        buffers.append(PlannedBuffer(
+            index=len(buffers), source=source, slot=slot, receiver_slot=receiver_slot,
+            first_tensor=first, stop_tensor=len(tensors), wire_bytes=wire_bytes,
+            oversized=oversized))
+    return RefitPlan(tensors=tuple(tensors), buffers=tuple(buffers), slot_bytes=slot_bytes,
                      num_slots=num_slots, alignment_bytes=alignment_bytes,
                      header_bytes=header_bytes)
 
@@ -210,13 +290,12 @@ def plan_from_json(text: str) -> RefitPlan:
         version = data["version"]
         if version != PLAN_FORMAT_VERSION:
             raise ValueError(f"plan format version {version}, expected {PLAN_FORMAT_VERSION}")
-        specs = [TensorSpec(name=name, shape=tuple(int(d) for d in shape),
-                            dtype=dtype_from_name(dtype))
-                 for name, shape, dtype in data["specs"]]
-        plan = build_plan(specs, buffer_bytes=int(data["buffer_bytes"]),
+        specs = [spec_from_json(spec) for spec in data["specs"]]
+        plan = build_plan(specs, slot_bytes=int(data["slot_bytes"]),
                           num_slots=int(data["num_slots"]),
                           alignment_bytes=int(data["alignment_bytes"]),
-                          header_bytes=int(data["header_bytes"]))
+                          header_bytes=int(data["header_bytes"]),
+                          sources=[int(s) for s in data["sources"]])
     except (KeyError, TypeError, json.JSONDecodeError) as error:
         raise ValueError(f"malformed refit plan: {error!r}") from None
     if plan.fingerprint != data["fingerprint"]:
@@ -238,21 +317,68 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+# One source's buffers before interleaving: [(spec, offset)], wire bytes, oversized.
+_Chunk = tuple[list[tuple[TensorSpec, int]], int, bool]
+
+
+def _layout(specs: Sequence[TensorSpec], *, slot_bytes: int, start: int,
+            alignment_bytes: int) -> list[_Chunk]:
+    """One source's tensors in buffers, in order (see the module docstring)."""
+    chunks: list[_Chunk] = []
+    placed: list[tuple[TensorSpec, int]] = []
+    cursor = start
+
+    def close(*, oversized: bool) -> None:
+        nonlocal placed, cursor
+        chunks.append((placed, _align_up(cursor, alignment_bytes), oversized))
+        placed, cursor = [], start
+
+    for spec in specs:
+        nbytes = spec.num_bytes
+        if start + nbytes > slot_bytes:
+            if placed:
+                close(oversized=False)
+            placed.append((spec, start))
+            cursor = start + nbytes
+            close(oversized=True)
+            continue
+        offset = _align_up(cursor, alignment_bytes)
+        if offset + nbytes > slot_bytes:
+            close(oversized=False)
+            offset = start
+        placed.append((spec, offset))
+        cursor = offset + nbytes
+    if placed:
+        close(oversized=False)
+    return chunks
+
+
+def _round_robin(chunks: dict[int, list[_Chunk]]):
+    """``(source, chunk)`` taking one chunk of each source in turn until all are used."""
+    iterators = {source: iter(own) for source, own in chunks.items()}
+    while iterators:
+        for source in list(iterators):
+            chunk = next(iterators[source], None)
+            if chunk is None:
+                del iterators[source]
+            else:
+                yield source, chunk
+
+
 def _canonical_json(plan: RefitPlan) -> str:
     return json.dumps({
         "version": PLAN_FORMAT_VERSION,
-        "buffer_bytes": plan.buffer_bytes,
+        "slot_bytes": plan.slot_bytes,
         "num_slots": plan.num_slots,
         "alignment_bytes": plan.alignment_bytes,
         "header_bytes": plan.header_bytes,
-        "tensors": [[t.spec.name, list(t.spec.shape), dtype_name(t.spec.dtype), t.buffer_index,
-                     t.offset_bytes] for t in plan.tensors],
-        "buffers": [[b.slot, b.first_tensor, b.stop_tensor, b.used_bytes, b.oversized]
-                    for b in plan.buffers],
+        "tensors": [[*spec_to_json(t.spec), t.buffer_index, t.offset_bytes] for t in plan.tensors],
+        "buffers": [[b.source, b.slot, b.receiver_slot, b.first_tensor, b.stop_tensor,
+                     b.wire_bytes, b.oversized] for b in plan.buffers],
     }, separators=(",", ":"))
 
 
-def _check_layout_args(*, buffer_bytes: int, num_slots: int, alignment_bytes: int,
+def _check_layout_args(*, slot_bytes: int, num_slots: int, alignment_bytes: int,
                        header_bytes: int) -> None:
     if alignment_bytes < 16 or alignment_bytes & (alignment_bytes - 1):
         raise ValueError(f"alignment_bytes must be a power of two ≥ 16, got {alignment_bytes}")
@@ -260,23 +386,53 @@ def _check_layout_args(*, buffer_bytes: int, num_slots: int, alignment_bytes: in
         raise ValueError(f"num_slots must be ≥ 1, got {num_slots}")
     if header_bytes < 0 or header_bytes % 8:
         raise ValueError(f"header_bytes must be a non-negative multiple of 8, got {header_bytes}")
-    if buffer_bytes % alignment_bytes or buffer_bytes <= _align_up(header_bytes, alignment_bytes):
+    if slot_bytes % alignment_bytes or slot_bytes <= _align_up(header_bytes, alignment_bytes):
         raise ValueError(
-            f"buffer_bytes={buffer_bytes} must be a multiple of alignment_bytes={alignment_bytes} "
+            f"slot_bytes={slot_bytes} must be a multiple of alignment_bytes={alignment_bytes} "
             f"and larger than the {header_bytes}-byte header"
         )
 
 
+def spec_to_json(spec: TensorSpec) -> list:
+    region = spec.region
+    return [spec.name, list(spec.shape), dtype_name(spec.dtype),
+            None if region is None else [region.dim, region.start, region.full]]
+
+
+def spec_from_json(data: list) -> TensorSpec:
+    name, shape, dtype, region = data
+    return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype_from_name(dtype),
+                      region=None if region is None else Region(*(int(v) for v in region)))
+
+
 def _check_specs(specs: Sequence[TensorSpec]) -> None:
+    """Every tensor once: a whole tensor, or pieces that cover it exactly once."""
     if not specs:
         raise ValueError("a refit plan needs at least one tensor; the weight source is empty")
-    seen: set[str] = set()
+    pieces: dict[str, list[TensorSpec]] = {}
     for spec in specs:
-        if spec.name in seen:
-            raise ValueError(f"tensor name {spec.name!r} appears twice in the weight source")
-        seen.add(spec.name)
         if any(d < 0 for d in spec.shape):
-            raise ValueError(f"tensor {spec.name!r} has a negative dimension: {spec.shape}")
+            raise ValueError(f"tensor {spec.label!r} has a negative dimension: {spec.shape}")
+        pieces.setdefault(spec.name, []).append(spec)
+    for name, parts in pieces.items():
+        if len(parts) == 1 and parts[0].region is None:
+            continue
+        if any(p.region is None for p in parts):
+            raise ValueError(f"tensor name {name!r} appears twice in the weight source")
+        dims = {(p.region.dim, p.region.full) for p in parts}
+        if len(dims) != 1:
+            raise ValueError(f"the pieces of {name!r} disagree on their dimension and size")
+        dim, full = dims.pop()
+        covered = sorted((p.region.start, p.region.start + p.shape[dim]) for p in parts)
+        cursor = 0
+        for start, stop in covered:
+            if start != cursor:
+                raise ValueError(f"the pieces of {name!r} overlap or leave a gap at {cursor} "
+                                 f"along dim {dim}")
+            cursor = stop
+        if cursor != full:
+            raise ValueError(f"the pieces of {name!r} cover {cursor} of its {full} along dim "
+                             f"{dim}")
 
 
 def _align_up(value: int, alignment: int) -> int:

@@ -19,15 +19,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mcore_refit.control import ControlGroup
+from mcore_refit.distributed import Placement
 from mcore_refit.refit.broadcast import BroadcastReceiver
-from mcore_refit.refit.config import RefitConfig
-from mcore_refit.refit.ipc import IpcReceiver
+from mcore_refit.refit.config import TransportOptions
+from mcore_refit.refit.ipc_receiver import IpcReceiver
 from mcore_refit.refit.plan import RefitPlan
 from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transport import RefitError, RefitReceiver, WeightLoader
@@ -45,63 +47,63 @@ class IpcInitInfo:
         if not isinstance(self.address, str) or not self.address.startswith("ipc://"):
             raise ValueError(f"init_info.address must be an ipc:// address, got {self.address!r}")
 
-    def connect(self, *, device: torch.device, config: RefitConfig,
+    def connect(self, *, device: torch.device, options: TransportOptions,
                 plan: RefitPlan | None) -> RefitReceiver:
-        return IpcReceiver(address=self.address, device=device, config=config, plan=plan)
+        return IpcReceiver(address=self.address, device=device, options=options, plan=plan)
 
 
 @dataclass(frozen=True, kw_only=True)
 class BroadcastInitInfo:
-    """Non-colocated: the refit process group and the sender's rank within it."""
+    """Non-colocated: where this inference rank sits in the split job, and its groups."""
 
-    src_rank: int
-    # The refit process group; None means the default group.
-    group: dist.ProcessGroup | None = None
+    placement: Placement
+    # This inference rank's index among the inference ranks.
+    receiver: int
+    # Control plane over every rank of the job (trainer ranks first).
+    control: ControlGroup
+    # Source trainer rank -> its data group, for the sources that broadcast to this rank.
+    data_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.src_rank, bool) or not isinstance(self.src_rank, int) or \
-                self.src_rank < 0:
-            raise ValueError(f"init_info.src_rank must be a group rank ≥ 0, got {self.src_rank!r}")
+        if not 0 <= self.receiver < self.placement.num_receivers:
+            raise ValueError(f"init_info.receiver={self.receiver} is not an inference rank of "
+                             f"the placement ({self.placement.num_receivers} inference ranks)")
 
-    def connect(self, *, device: torch.device, config: RefitConfig,
+    def connect(self, *, device: torch.device, options: TransportOptions,
                 plan: RefitPlan | None) -> RefitReceiver:
-        return BroadcastReceiver(group=self.group, src_rank=self.src_rank, device=device,
-                                 config=config, plan=plan)
+        return BroadcastReceiver(placement=self.placement, receiver=self.receiver,
+                                 control=self.control, data_groups=self.data_groups,
+                                 device=device, options=options, plan=plan)
 
 
 InitInfo = IpcInitInfo | BroadcastInitInfo
 
 
-def init_info_from_dict(data: Mapping[str, Any], *,
-                        group: dist.ProcessGroup | None = None) -> InitInfo:
-    """Parse plain-data init info: ``{"transport": "ipc", "address": ...}`` or
-    ``{"transport": "broadcast", "src_rank": ...}`` (with ``group`` passed alongside)."""
+def init_info_from_dict(data: Mapping[str, Any]) -> IpcInitInfo:
+    """Parse plain-data init info, ``{"transport": "ipc", "address": ...}`` (the form an engine
+    process receives; the broadcast transport's groups are live objects, not data)."""
     data = dict(data)
     transport = data.pop("transport", None)
-    parsers = {"ipc": (IpcInitInfo, {"address"}), "broadcast": (BroadcastInitInfo, {"src_rank"})}
-    if transport not in parsers:
-        raise ValueError(f"init_info.transport must be 'ipc' or 'broadcast', got {transport!r}")
-    cls, keys = parsers[transport]
-    unknown = sorted(set(data) - keys)
+    if transport != "ipc":
+        raise ValueError(f"init_info.transport must be 'ipc' (the broadcast transport takes a "
+                         f"BroadcastInitInfo), got {transport!r}")
+    unknown = sorted(set(data) - {"address"})
     if unknown:
-        raise ValueError(f"unknown init_info key '{unknown[0]}' for transport {transport!r} "
-                         f"(known: {', '.join(sorted(keys))})")
-    missing = sorted(keys - set(data))
-    if missing:
-        raise ValueError(f"init_info for transport {transport!r} lacks '{missing[0]}'")
-    if cls is BroadcastInitInfo:
-        return BroadcastInitInfo(group=group, **data)
-    return cls(**data)
+        raise ValueError(f"unknown init_info key '{unknown[0]}' for transport 'ipc' "
+                         "(known: address)")
+    if "address" not in data:
+        raise ValueError("init_info for transport 'ipc' lacks 'address'")
+    return IpcInitInfo(**data)
 
 
 class WeightTransferEndpoint:
     """Engine-side control surface for refits. Owns its transport: call :meth:`close`."""
 
-    def __init__(self, *, engine: WeightLoader, device: torch.device, config: RefitConfig,
+    def __init__(self, *, engine: WeightLoader, device: torch.device, options: TransportOptions,
                  plan: RefitPlan | None = None) -> None:
         self._engine = engine
         self._device = torch.device(device)
-        self._config = config
+        self._options = options
         self._plan = plan
         self._receiver: RefitReceiver | None = None
         self._updating = False
@@ -125,7 +127,7 @@ class WeightTransferEndpoint:
             raise RuntimeError("init_weight_transfer_engine was already called")
         if isinstance(init_info, Mapping):
             init_info = init_info_from_dict(init_info)
-        receiver = init_info.connect(device=self._device, config=self._config, plan=self._plan)
+        receiver = init_info.connect(device=self._device, options=self._options, plan=self._plan)
         try:
             receiver.prepare()
         except BaseException:

@@ -1,49 +1,98 @@
 """Weight sources: where a refit reads ``(hf_name, tensor)`` pairs from.
 
-A source is anything with ``weight_specs()`` and ``iter_weights()``; the refit engine never
-needs more. This mirrors the trainer-side contract of vLLM's weight-transfer subsystem (parameter
-metadata plus a full-tensor iterator), so an adapter to a stock engine stays thin.
+Two shapes of source, one protocol for the refit engine (:class:`RefitSource`):
+
+- a :class:`WeightSource` lives on one rank and yields full tensors (``weight_specs()`` and
+  ``iter_weights()``: the trainer-side contract of vLLM's weight-transfer subsystem, parameter
+  metadata plus a full-tensor iterator). :class:`LocalSource` makes it a refit source whose every
+  buffer comes from that rank;
+- a sharded source (the Megatron model, :class:`~mcore_refit.refit.export.ModelExport`) is spread
+  over the trainer ranks: each tensor has a *source rank* that produces it, and ranks help each
+  other per buffer (tensor-parallel shards move to their source).
+
+Per refit, :meth:`RefitSource.begin` gives a :class:`RefitPass`: every trainer rank calls its
+``exchange(buffer)`` for every buffer of the plan in plan order, and a buffer's source rank pulls
+the buffer's tensors from ``own_weights()`` after the buffer's exchange. Sources and passes may be
+collectives over the trainer ranks: call them on every trainer rank, in the same order, or ranks
+deadlock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from mcore_refit.refit.plan import PlannedBuffer, RefitPlan, TensorSpec
+
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """Name, shape and dtype of one exported tensor."""
+class Piecewise:
+    """A tensor made of runs of other tensors along one dimension, never copied into one.
 
-    name: str
+    A source yields it where an exported tensor's elements lie apart in the parameter (the
+    query rows of each key-value group inside a fused QKV shard): ``runs[i]`` fills
+    ``[offsets[i], offsets[i] + runs[i].shape[dim])`` of it along ``dim``. Packing copies each
+    run straight into the buffer.
+    """
+
     shape: tuple[int, ...]
     dtype: torch.dtype
+    dim: int
+    offsets: Sequence[int]
+    runs: Sequence[torch.Tensor]
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for dim in self.shape:
-            n *= dim
-        return n
+    def copy_pairs(self, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(destinations, sources)``: where in ``out`` (this tensor's place) each run goes."""
+        return ([out.narrow(self.dim, offset, run.shape[self.dim])
+                 for offset, run in zip(self.offsets, self.runs, strict=True)], list(self.runs))
 
-    @property
-    def num_bytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+    def materialize(self) -> torch.Tensor:
+        """A contiguous copy (verification only: it allocates)."""
+        return torch.cat(list(self.runs), dim=self.dim)
 
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name=name, shape=tuple(tensor.shape), dtype=tensor.dtype)
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """What a refit source exports: every tensor's spec and source rank, grouped by source."""
+
+    specs: list[TensorSpec]
+    sources: list[int]
+
+
+class RefitPass(Protocol):
+    """One refit's pass over a source on one trainer rank (see the module docstring)."""
+
+    # True when tensors from own_weights() stay valid while referenced (resident tensors), which
+    # lets a buffer be packed with one batched copy per dtype.
+    stable_tensors: bool
+
+    def exchange(self, buffer: PlannedBuffer, *, timeout_s: float) -> None:
+        """This rank's part in preparing ``buffer`` (may be a collective with its source)."""
+        ...
+
+    def own_weights(self) -> Iterator[tuple[str, torch.Tensor | Piecewise]]:
+        """The tensors (or pieces) of the buffers this rank is the source of, in plan order; a
+        tensor is valid until the next one is requested."""
+        ...
+
+
+class RefitSource(Protocol):
+    """Anything the refit engine can plan for and read from."""
+
+    def layout(self) -> SourceLayout:
+        """Specs and source ranks (collective over the trainer ranks)."""
+        ...
+
+    def begin(self, plan: RefitPlan) -> RefitPass:
+        """Start one refit's pass (collective over the trainer ranks)."""
+        ...
 
 
 class WeightSource(Protocol):
-    """Full tensors in a fixed order, the same on every rank that iterates them.
-
-    Both methods may be collectives (the Megatron export gathers across tensor- and
-    pipeline-parallel ranks): call them on every trainer rank, in the same order, or ranks deadlock.
-    """
+    """Full tensors on one rank, in a fixed order."""
 
     def weight_specs(self) -> list[TensorSpec]:
         """Specs of the tensors ``iter_weights`` yields, in the same order."""
@@ -54,33 +103,35 @@ class WeightSource(Protocol):
         ...
 
 
-def drain(source: WeightSource) -> None:
-    """Read one pass of ``source`` to its end and drop every tensor.
+class LocalSource:
+    """A :class:`WeightSource` on trainer rank ``rank`` as a refit source: every buffer is
+    ``rank``'s, and other ranks (if any) have no part in it."""
 
-    For trainer ranks that take part in a collective export but send nothing.
-    """
-    for _ in source.iter_weights():
+    def __init__(self, source: WeightSource, *, rank: int = 0) -> None:
+        self.source = source
+        self.rank = rank
+
+    def layout(self) -> SourceLayout:
+        specs = self.source.weight_specs()
+        return SourceLayout(specs=specs, sources=[self.rank] * len(specs))
+
+    def begin(self, plan: RefitPlan) -> RefitPass:
+        return _LocalPass(self.source)
+
+
+class _LocalPass:
+    def __init__(self, source: WeightSource) -> None:
+        self._source = source
+        self.stable_tensors = bool(getattr(source, "stable_tensors", False))
+
+    def exchange(self, buffer: PlannedBuffer, *, timeout_s: float) -> None:
         pass
 
+    def own_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._source.iter_weights()
 
-class BridgeWeightSource:
-    """The Megatron model's weights in HF format, through Megatron-Bridge's export.
 
-    Conversion tasks are built once and reused by :class:`~mcore_refit.model.ModelChunks`, and
-    they reference the live parameters: every iteration reads the current weights (after optimizer
-    steps, offload/onload or a checkpoint load). Both methods are collectives over the
-    model-parallel groups: call them on every trainer rank, in the same order.
-    """
-
-    def __init__(self, model) -> None:
-        self._model = model
-        self._specs: list[TensorSpec] | None = None
-
-    def weight_specs(self) -> list[TensorSpec]:
-        """Specs of the exported tensors; the first call runs one export pass to learn them."""
-        if self._specs is None:
-            self._specs = [TensorSpec.of(name, tensor) for name, tensor in self.iter_weights()]
-        return list(self._specs)
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self._model.export_hf_weights()
+def drain(source: WeightSource) -> None:
+    """Read one pass of ``source`` to its end and drop every tensor."""
+    for _ in source.iter_weights():
+        pass

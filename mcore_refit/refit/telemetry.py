@@ -11,8 +11,11 @@ they do not add up to ``total_s``. Meanings:
 - ``load_s``: receiver only, time in the engine's ``load_weights`` (device time on GPU);
 - ``wait_s``: host time blocked on a buffer slot, an arrival or an ACK;
 - ``checksum_s`` / ``verify_s``: time in per-buffer checksums / the post-refit equality check;
-- ``peak_extra_bytes``: the transport's persistent buffers plus the peak of device memory
-  allocated above the level at refit start (``None`` on CPU);
+- ``payload_bytes``: the tensors' own bytes the refit delivered;
+- ``held_bytes``: device memory this rank holds for refits (its slots, mapped peer slots not
+  counted; the export's shard exchange buffers where it has them);
+- ``peak_extra_bytes``: ``held_bytes`` plus the peak of device memory allocated above the level
+  at refit start (``None`` on CPU);
 - ``new_allocations`` / ``new_segments``: caching-allocator allocations / cudaMalloc segments
   made during the refit (``None`` on CPU). A steady-state refit from resident tensors makes 0.
 """
@@ -33,7 +36,7 @@ class RefitTelemetry:
     device: str
     num_tensors: int
     num_buffers: int
-    bytes: int
+    payload_bytes: int
     total_s: float = 0.0
     export_s: float = 0.0
     pack_s: float = 0.0
@@ -42,7 +45,7 @@ class RefitTelemetry:
     wait_s: float = 0.0
     checksum_s: float = 0.0
     verify_s: float = 0.0
-    buffer_bytes: int = 0
+    held_bytes: int = 0
     peak_transient_bytes: int | None = None
     new_allocations: int | None = None
     new_segments: int | None = None
@@ -52,13 +55,13 @@ class RefitTelemetry:
     @property
     def gbps(self) -> float:
         """Payload gigabytes (1e9) per second over the whole refit."""
-        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+        return self.payload_bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
 
     @property
     def peak_extra_bytes(self) -> int | None:
         if self.peak_transient_bytes is None:
             return None
-        return self.buffer_bytes + self.peak_transient_bytes
+        return self.held_bytes + self.peak_transient_bytes
 
     def record_memory(self, stats: dict[str, int | None]) -> None:
         """Take ``peak_transient_bytes``, ``new_allocations``, ``new_segments`` from a probe."""

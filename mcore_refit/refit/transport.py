@@ -9,14 +9,14 @@ and a :class:`RefitTimeout` names what it waited for.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
-from typing import ClassVar, Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import ClassVar, Protocol
 
 import torch
 
-from mcore_refit.refit.plan import RefitPlan
+from mcore_refit.refit.plan import RefitPlan, Region, TensorSpec
+from mcore_refit.refit.source import RefitPass
 from mcore_refit.refit.telemetry import RefitTelemetry
 
 
@@ -29,20 +29,37 @@ class RefitTimeout(RefitError):
 
 
 class WeightLoader(Protocol):
-    """What an inference engine needs for a refit (the vLLM / HF ``load_weights`` convention)."""
+    """What an inference engine needs for a refit (the vLLM / HF ``load_weights`` convention).
+
+    Tensors are views into a transport buffer, valid only during the call: copy, never keep a
+    reference. Trainers with tensor parallelism send a sharded tensor in pieces, one from each
+    rank that holds a shard; those arrive through ``load_weight_pieces``.
+    """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each ``(name, tensor)`` into the engine's weights. Tensors are views into a
-        transport buffer, valid only during the call: copy, never keep a reference."""
+        """Copy each whole ``(name, tensor)`` into the engine's weights."""
+        ...
+
+    def load_weight_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
+        """Copy each ``(name, piece, region)`` into its region of the named weight."""
         ...
 
 
-@runtime_checkable
-class WeightReader(Protocol):
-    """Read-back of loaded weights by name, for the post-refit equality check."""
-
-    def get_weight(self, name: str) -> torch.Tensor:
-        ...
+def load_into(engine: WeightLoader, entries: Sequence[tuple[TensorSpec, torch.Tensor]]) -> None:
+    """Hand one buffer's tensors to ``engine``: whole ones through ``load_weights``, pieces
+    through ``load_weight_pieces``."""
+    wholes = [(spec.name, view) for spec, view in entries if spec.region is None]
+    pieces = [(spec.name, view, spec.region) for spec, view in entries
+              if spec.region is not None]
+    if wholes:
+        engine.load_weights(wholes)
+    if pieces:
+        load_pieces = getattr(engine, "load_weight_pieces", None)
+        if load_pieces is None:
+            raise RefitError(f"the engine ({type(engine).__name__}) has no load_weight_pieces, "
+                             f"but the trainer sends {pieces[0][0]!r} in pieces (tensor "
+                             "parallelism): add it, or refit from an engine that assembles them")
+        load_pieces(pieces)
 
 
 class RefitSender(ABC):
@@ -58,15 +75,19 @@ class RefitSender(ABC):
         """Allocate buffers and meet the receiving end; call once before the first :meth:`send`."""
 
     @abstractmethod
-    def send(self, weights: Iterator[tuple[str, torch.Tensor]], *, refit_index: int,
-             verify: bool = False, stable_tensors: bool = False) -> RefitTelemetry:
-        """Move one refit: ``weights`` yields the plan's tensors in plan order.
+    def send(self, refit_pass: RefitPass, *, refit_index: int,
+             verify: bool = False) -> RefitTelemetry:
+        """Move one refit: this rank's part of ``refit_pass`` for every buffer of the plan.
 
-        With ``verify`` the engine's weights are compared with what was sent, after loading.
-        ``stable_tensors`` promises that yielded tensors stay valid while referenced (not
-        overwritten by later items), which allows batching a buffer's copies. Raises
-        :class:`RefitError` when any end failed. All device work is complete on return.
+        With ``verify`` the engine's weights are compared with what was exported, after
+        loading. Raises :class:`RefitError` when any end failed. All device work is complete on
+        return.
         """
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes this end holds for its slots."""
+        return 0
 
     def close(self) -> None:  # noqa: B027 (optional hook: not every end holds resources)
         """Release buffers and connections. Idempotent."""
@@ -104,30 +125,3 @@ class RefitReceiver(ABC):
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-class DrainSender(RefitSender):
-    """For trainer ranks that take part in the export but send nothing.
-
-    The Megatron export is collective across trainer ranks: every rank must iterate the source in
-    lockstep, so ranks other than the refit source drain it.
-    """
-
-    transport_name = "drain"
-
-    def prepare(self) -> None:
-        pass
-
-    def send(self, weights: Iterator[tuple[str, torch.Tensor]], *, refit_index: int,
-             verify: bool = False, stable_tensors: bool = False) -> RefitTelemetry:
-        start = time.perf_counter()
-        count = sum(1 for _ in weights)
-        elapsed = time.perf_counter() - start
-        if count != self.plan.num_tensors:
-            raise RefitError(
-                f"the weight source yielded {count} tensors, the refit plan has "
-                f"{self.plan.num_tensors}"
-            )
-        return RefitTelemetry(role="sender", transport=self.transport_name,
-                              refit_index=refit_index, device="n/a", num_tensors=count,
-                              num_buffers=0, bytes=0, total_s=elapsed, export_s=elapsed)

@@ -1,78 +1,173 @@
-"""The colocated transport's wire format: a fixed binary prefix, a JSON header, raw blobs.
+"""The colocated transport's messages: one frozen dataclass per kind, validated once at decode.
 
 One message is one ZMQ multipart message:
 
 - frame 0: ``!4sHHI`` prefix (magic ``b"MCRF"``, format version, reserved 0, header length)
   followed by exactly that many bytes of UTF-8 JSON: ``{"kind": str, "fields": {...},
   "blob_sizes": [int, ...]}``;
-- frames 1..n: raw byte blobs (IPC handles), one per ``blob_sizes`` entry, sizes checked.
+- frames 1..n: raw byte blobs (IPC handles, digest tables), one per ``blob_sizes`` entry.
 
-Nothing is ever unpickled: a process that reaches the socket can at worst send a message that
-fails validation. Decoding raises :class:`WireError` (a ``ValueError``) on anything unexpected.
+:func:`decode` checks the prefix, then builds the message class named by ``kind`` from its fields,
+checking every field against the class's annotations (a ``bool`` is never an ``int``); protocol
+code receives typed messages and never looks fields up by name. Nothing is ever unpickled: a
+process that reaches the socket can at worst send a message that fails validation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
+import types
+import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 WIRE_MAGIC = b"MCRF"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MAX_HEADER_BYTES = 64 << 20
 MAX_BLOBS = 64
 _PREFIX = struct.Struct("!4sHHI")
-
-KINDS = frozenset({
-    "hello", "ready", "start", "started", "buffer", "ack", "complete", "summary", "error",
-})
 
 
 class WireError(ValueError):
     """A message that is not a valid refit message of this version."""
 
 
-@dataclass(frozen=True)
-class Message:
-    """A decoded message: its kind, JSON fields and raw blobs."""
+@dataclass(frozen=True, kw_only=True)
+class SlotHandle:
+    """How to map one of the trainer's slots: a CUDA IPC handle (its bytes are blobs
+    ``first_blob .. first_blob + num_blobs`` of the hello) or a shared-memory file."""
 
-    kind: str
-    fields: dict[str, Any] = field(default_factory=dict)
+    kind: typing.Literal["cuda", "shm"]
+    nbytes: int
+    first_blob: int = 0
+    num_blobs: int = 0
+    file: str | None = None
+    tensor_offset: int = 0
+    storage_size_bytes: int = 0
+    storage_offset_bytes: int = 0
+    ref_counter_offset: int = 0
+    event_sync_required: bool = False
+    has_event_handle: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of every message; ``KIND`` names it on the wire."""
+
+    KIND: ClassVar[str] = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    """Trainer → engine, once per connection: the plan and the slots to map."""
+
+    KIND: ClassVar[str] = "hello"
+    plan: str
+    device_key: str
+    slots: tuple[SlotHandle, ...]
     blobs: tuple[bytes, ...] = ()
 
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise WireError(f"unknown message kind {self.kind!r}")
 
-    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
-        """Field ``key``, which must be of type ``kind`` (bool is never an int here)."""
-        if key not in self.fields:
-            raise WireError(f"{self.kind} message lacks field {key!r}")
-        value = self.fields[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            raise WireError(f"{self.kind} message field {key!r} has type "
-                            f"{type(value).__name__}, expected {kind}")
-        return value
+@dataclass(frozen=True, kw_only=True)
+class Ready(Message):
+    KIND: ClassVar[str] = "ready"
+    fingerprint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start(Message):
+    """Trainer → engine: a refit starts (plan fingerprint and switches)."""
+
+    KIND: ClassVar[str] = "start"
+    refit_index: int
+    fingerprint: str
+    checksums: bool
+    verify: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started(Message):
+    KIND: ClassVar[str] = "started"
+    refit_index: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferReady(Message):
+    """Trainer → engine: buffer ``buffer_index`` is packed in its slot (names and sizes are the
+    plan's; the in-slot header repeats the indices and carries the checksum)."""
+
+    KIND: ClassVar[str] = "buffer"
+    refit_index: int
+    buffer_index: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack(Message):
+    """Engine → trainer: the buffer is loaded (the slot may be refilled), or why not."""
+
+    KIND: ClassVar[str] = "ack"
+    buffer_index: int
+    ok: bool
+    message: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Complete(Message):
+    """Trainer → engine: the refit's last buffer was sent (or ``aborted`` says why not); with
+    verification, blob 0 is the trainer's ``[num_tensors, DIGEST_WORDS]`` int64 digest table."""
+
+    KIND: ClassVar[str] = "complete"
+    refit_index: int
+    aborted: str | None = None
+    blobs: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary(Message):
+    """Engine → trainer: every planned tensor loaded exactly once (and equal), or why not."""
+
+    KIND: ClassVar[str] = "summary"
+    ok: bool
+    message: str | None = None
+    num_tensors: int = 0
+    payload_bytes: int = 0
+    verified: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error(Message):
+    """Either side: a request was malformed, out of order or refused."""
+
+    KIND: ClassVar[str] = "error"
+    message: str
+    # The engine restarted since the trainer's hello: send it again.
+    need_hello: bool = False
+
+
+MESSAGES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
+    Hello, Ready, Start, Started, BufferReady, Ack, Complete, Summary, Error)}
 
 
 def encode(message: Message) -> list[bytes]:
     """Frames for ``message`` (send with ``socket.send_multipart(frames, copy=False)``)."""
-    header = json.dumps({"kind": message.kind, "fields": message.fields,
-                         "blob_sizes": [len(b) for b in message.blobs]},
+    fields = to_fields(message)
+    blobs = tuple(getattr(message, "blobs", ()))
+    header = json.dumps({"kind": message.KIND, "fields": fields,
+                         "blob_sizes": [len(b) for b in blobs]},
                         separators=(",", ":"), allow_nan=False).encode()
     if len(header) > MAX_HEADER_BYTES:
         raise WireError(f"message header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
-    if len(message.blobs) > MAX_BLOBS:
-        raise WireError(f"{len(message.blobs)} blobs exceed the limit of {MAX_BLOBS}")
+    if len(blobs) > MAX_BLOBS:
+        raise WireError(f"{len(blobs)} blobs exceed the limit of {MAX_BLOBS}")
     prefix = _PREFIX.pack(WIRE_MAGIC, WIRE_VERSION, 0, len(header))
-    return [prefix + header, *(bytes(b) for b in message.blobs)]
+    return [prefix + header, *(bytes(b) for b in blobs)]
 
 
 def decode(frames: Sequence[bytes | memoryview]) -> Message:
-    """Parse and validate the frames of one message."""
+    """Parse and validate the frames of one message into its message class."""
     if not frames:
         raise WireError("empty message")
     first = bytes(frames[0])
@@ -97,9 +192,83 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     kind, fields, sizes = header["kind"], header["fields"], header["blob_sizes"]
     if not isinstance(kind, str) or not isinstance(fields, dict) or not isinstance(sizes, list):
         raise WireError("message header fields have the wrong types")
+    cls = MESSAGES.get(kind)
+    if cls is None:
+        raise WireError(f"unknown message kind {kind!r}")
     blobs = tuple(bytes(f) for f in frames[1:])
     if len(sizes) != len(blobs) or any(
             isinstance(s, bool) or not isinstance(s, int) or s != len(b)
             for s, b in zip(sizes, blobs, strict=True)):
         raise WireError(f"blob sizes {sizes} do not match the {len(blobs)} frames received")
-    return Message(kind=kind, fields=fields, blobs=blobs)
+    if blobs and "blobs" not in {f.name for f in dataclasses.fields(cls)}:
+        raise WireError(f"a {kind} message carries no blobs, got {len(blobs)}")
+    message = _build(cls, fields, where=kind)
+    return dataclasses.replace(message, blobs=blobs) if blobs else message
+
+
+def to_fields(message: Any) -> dict[str, Any]:
+    """A message (or :class:`SlotHandle`) as plain JSON data, without its blobs."""
+    return {f.name: _plain(getattr(message, f.name)) for f in dataclasses.fields(message)
+            if f.name != "blobs"}
+
+
+def from_fields(cls: type, data: Any, *, where: str | None = None):
+    """Build ``cls`` (a message or :class:`SlotHandle`) from plain data, validated as
+    :func:`decode` does; :class:`WireError` on anything unexpected."""
+    where = where or getattr(cls, "KIND", "") or cls.__name__
+    if not isinstance(data, dict):
+        raise WireError(f"{where} must be an object, got {type(data).__name__}")
+    return _build(cls, data, where=where)
+
+
+def _build(cls: type, fields: dict[str, Any], *, where: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "blobs"}
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise WireError(f"{where} message has unknown field {unknown[0]!r}")
+    values = {}
+    for name, field in known.items():
+        if name in fields:
+            values[name] = _check(hints[name], fields[name], f"{where}.{name}")
+        elif field.default is dataclasses.MISSING:
+            raise WireError(f"{where} message lacks field {name!r}")
+    return cls(**values)
+
+
+def _check(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [option for option in options if option is not type(None)]
+        return _check(inner, value, where)
+    if origin is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise WireError(f"field {where!r} must be one of {typing.get_args(hint)}, "
+                            f"got {value!r}")
+        return value
+    if origin is tuple:
+        (item,) = typing.get_args(hint)[:1]
+        if not isinstance(value, list):
+            raise WireError(f"field {where!r} must be a list, got {type(value).__name__}")
+        return tuple(_check(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise WireError(f"field {where!r} must be an object, got {type(value).__name__}")
+        return _build(hint, value, where=where)
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise WireError(f"field {where!r} has type {type(value).__name__}, expected int")
+    if hint in (bool, str) and not isinstance(value, hint):
+        raise WireError(f"field {where!r} has type {type(value).__name__}, expected "
+                        f"{hint.__name__}")
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value

@@ -66,8 +66,8 @@ def test_corrupted_weight_is_named(results):
 @pytest.mark.timeout(900)
 def test_export_reads_current_parameters(results):
     assert results["fresh"] == {"in_place": [3.0], "tasks_reused": True, "replaced": [5.0],
-                                "tasks_rebuilt": True, "source_specs_match": True,
-                                "source_norm": [5.0]}
+                                "tasks_rebuilt": True, "source_in_place": [3.0],
+                                "source_replaced": [5.0]}
 
 
 @pytest.fixture(scope="module")

@@ -160,7 +160,7 @@ def test_loss_is_normalised_over_the_global_batch(runs, layout):
 
 @pytest.mark.timeout(600)
 def test_training_moved_the_weights(runs, hf_path):
-    from mcore_refit.model import hf_reference_state
+    from mcore_refit.verify import hf_reference_state
 
     initial = hf_reference_state(str(hf_path))
     assert max_abs_diff(runs["pp1_float32"]["weights"], initial) > 1e-3

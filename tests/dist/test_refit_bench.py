@@ -1,110 +1,158 @@
-"""The refit benchmark recipe on CPU: every mode runs, verifies bit for bit and reports."""
+"""The refit benchmark recipe on CPU, in every layout: each mode moves the bytes it claims from
+the ranks it claims, verifies bit for bit, and the summary's targets follow from the figures."""
 
 import json
 
 import pytest
+import torch
 
+from mcore_refit.bench.synthetic import llama_specs, synthetic_specs
 from tests.launch import REPO_ROOT, run_torchrun
 
 RECIPE = REPO_ROOT / "recipes" / "refit_bench.py"
 CONFIG = REPO_ROOT / "configs" / "refit_bench_cpu.yaml"
-MODE_FIELDS = {"mode", "bytes", "refit_s_median", "gbps", "peak_extra_bytes", "verified",
-               "device", "phases", "receiver_phases", "num_tensors", "new_allocations"}
+PHASES = {"export_s", "pack_s", "transfer_s", "load_s", "wait_s", "checksum_s"}
+REFIT_MODES = {"naive", "single_buffer", "engine", "transport_alone", "bridge_export"}
+TINY_BYTES = sum(s.num_bytes for s in synthetic_specs("tiny"))
+# The tiny_llama preset's full Hugging Face tensors (float32).
+TINY_LLAMA = llama_specs(num_layers=4, hidden=64, intermediate=128, num_heads=4,
+                         num_kv_heads=2, head_dim=16, vocab=128, dtype=torch.float32)
+TINY_LLAMA_BYTES = sum(s.num_bytes for s in TINY_LLAMA)
 
 
-def _lines(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+def bench(*overrides: str, nproc: int, timeout_s: float = 170) -> tuple[dict, dict]:
+    """Run the recipe; its per-mode lines by mode, and its summary line."""
+    result = run_torchrun(RECIPE, "--config", str(CONFIG), *overrides, nproc=nproc,
+                          timeout_s=timeout_s)
+    *lines, summary = [json.loads(line) for line in result.stdout.splitlines()
+                       if line.startswith("{")]
+    assert summary["summary"] is True
+    by_mode = {line["mode"]: line for line in lines}
+    assert len(by_mode) == len(lines) and list(summary["modes"]) == list(by_mode)
+    for line in lines:
+        assert line["error"] is None, line["error"]
+        assert len(line["refit_s"]) == 2 and line["refit_s_median"] > 0  # bench.num_refits
+        if line["mode"] in REFIT_MODES:
+            assert line["verified"] is True, line["mode"]
+    assert summary["all_verified"] is True
+    return by_mode, summary
 
 
-def _check(lines: list[dict], *, source: str, placement: str, modes: list[str]) -> dict:
-    *per_mode, summary = lines
-    assert [line["mode"] for line in per_mode] == modes
-    for line in per_mode:
-        assert MODE_FIELDS <= set(line), line
-        assert line["source"] == source and line["placement"] == placement
-        assert line["device"] == "cpu" and line["error"] is None
-        assert line["refit_s_median"] > 0 and line["gbps"] > 0
-        assert len(line["refit_s"]) == 2
-    transport = [line for line in per_mode if line["mode"] in ("naive", "single_buffer",
-                                                                "engine", "transport_alone")]
-    assert all(line["verified"] is True for line in transport)
-    for line in transport:
-        if line["mode"] != "naive" or placement == "colocated":
-            assert set(line["phases"]) == {"export_s", "pack_s", "transfer_s", "load_s",
-                                           "wait_s", "checksum_s"}
-            assert line["receiver_phases"]["load_s"] > 0
-    assert summary["summary"] is True and summary["all_verified"] is True
-    assert set(summary["modes"]) == set(modes)
-    assert ("raw_link" in modes) == (summary["raw_link_gbps"] is not None)
-    return summary
-
-
-ALL_MODES = ["raw_link", "naive", "single_buffer", "engine", "export_alone", "transport_alone"]
-
-
-@pytest.mark.timeout(180)
-def test_bench_non_colocated_cpu():
-    result = run_torchrun(RECIPE, "--config", str(CONFIG), nproc=2, timeout_s=170)
-    summary = _check(_lines(result.stdout), source="tiny", placement="non_colocated",
-                     modes=ALL_MODES)
-    assert summary["targets"]["transport_vs_link"]["target"] == 0.85
+def assert_phases(line: dict) -> None:
+    assert set(line["phases"]) == PHASES and set(line["receiver_phases"]) == PHASES
+    assert line["receiver_phases"]["load_s"] > 0
 
 
 @pytest.mark.timeout(180)
-def test_bench_colocated_cpu(tmp_path):
+def test_non_colocated_synthetic_set_every_mode():
+    modes, summary = bench(nproc=2)
+    assert list(modes) == ["raw_link", "naive", "single_buffer", "engine", "export_alone",
+                           "transport_alone"]
+    assert modes["raw_link"]["payload_bytes"] == 1 << 20  # bench.raw_link_bytes
+    for mode in ("naive", "single_buffer", "engine", "export_alone", "transport_alone"):
+        assert modes[mode]["payload_bytes"] == TINY_BYTES and modes[mode]["num_tensors"] == 10
+    for mode in ("single_buffer", "engine", "transport_alone"):
+        assert_phases(modes[mode])
+        assert modes[mode]["num_sources"] == 1
+    # One slot (single_buffer) holds less than the configured two; both hold 2048-byte slots.
+    assert modes["single_buffer"]["held_bytes"] < modes["engine"]["held_bytes"]
+    link = summary["targets"]["transport_vs_link"]
+    ratio = modes["engine"]["gbps"] / modes["raw_link"]["gbps"]
+    assert link["ratio"] == pytest.approx(ratio, rel=0.01, abs=1e-3)
+    assert link["met"] is (link["ratio"] >= link["target"]) and link["target"] == 0.85
+    refit = summary["targets"]["refit_vs_transport_alone"]
+    assert refit["refit_s"] == modes["engine"]["refit_s_median"]
+    assert refit["transport_s"] == modes["transport_alone"]["refit_s_median"]
+    assert refit["met"] is (refit["ratio"] <= refit["target"])
+
+
+@pytest.mark.timeout(180)
+def test_colocated_synthetic_set_unpacked_and_packed(tmp_path):
     output = tmp_path / "bench.jsonl"
-    result = run_torchrun(RECIPE, "--config", str(CONFIG), "refit.mode=colocated",
-                          "bench.modes=[raw_link, naive, engine]", f"bench.output={output}",
-                          nproc=1, timeout_s=170)
-    lines = _lines(result.stdout)
-    _check(lines, source="tiny", placement="colocated", modes=["raw_link", "naive", "engine"])
-    assert [json.loads(line) for line in output.read_text().splitlines()] == lines
-    naive = lines[1]
+    result_modes, summary = bench("refit.mode=colocated", "bench.modes=[raw_link, naive, engine]",
+                                  f"bench.output={output}", nproc=1)
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [line.get("mode") for line in written] == ["raw_link", "naive", "engine", None]
+    assert written[-1] == summary
+    naive, engine = result_modes["naive"], result_modes["engine"]
     assert naive["num_buffers"] == naive["num_tensors"] == 10  # one tensor per message
+    assert engine["num_buffers"] < engine["num_tensors"]  # packed
+    for line in (naive, engine):
+        assert line["payload_bytes"] == TINY_BYTES
+        assert_phases(line)
+    assert summary["placement"] == "colocated" and summary["raw_link_gbps"] > 0
 
 
 @pytest.mark.timeout(300)
-def test_bench_from_the_megatron_export_cpu():
-    result = run_torchrun(RECIPE, "--config", str(CONFIG), "bench.source=megatron",
-                          "bench.modes=[engine, export_alone, transport_alone]",
-                          nproc=2, timeout_s=290)
-    lines = _lines(result.stdout)
-    summary = _check(lines, source="megatron", placement="non_colocated",
-                     modes=["engine", "export_alone", "transport_alone"])
-    engine = lines[0]
-    assert "model.embed_tokens.weight" not in engine  # names are not dumped, counts are
-    assert engine["num_tensors"] > 30  # tiny Llama: 4 layers × 9 + embed, norm, head
-    target = summary["targets"]["end_to_end_vs_max_export_transport"]
-    assert target["target"] == 1.15 and target["export_s"] > 0 and target["transport_s"] > 0
+def test_megatron_pp2_two_sources_to_one_inference_rank():
+    """The issue's 3-rank placement: two pipeline stages send their own tensors."""
+    modes, summary = bench("bench.source=megatron", "bench.num_trainer_ranks=2",
+                           "megatron.parallel.pipeline=2",
+                           "bench.modes=[engine, export_alone, transport_alone, bridge_export, "
+                           "bridge_export_alone]", nproc=3, timeout_s=290)
+    layout = {"trainer_ranks": 2, "inference_ranks": 1, "tp": 1, "pp": 2, "vpp": None, "dp": 1}
+    assert summary["layout"] == layout
+    for mode in ("engine", "export_alone", "transport_alone"):
+        assert modes[mode]["payload_bytes"] == TINY_LLAMA_BYTES
+        assert modes[mode]["num_tensors"] == len(TINY_LLAMA) == 39
+        assert modes[mode]["num_sources"] == 2
+    # Megatron-Bridge's export gathers every tensor on every rank: rank 0 sends them all.
+    assert modes["bridge_export"]["num_sources"] == 1
+    assert modes["bridge_export"]["payload_bytes"] == TINY_LLAMA_BYTES
+    speedup = summary["targets"]["export_speedup_over_bridge_export"]
+    assert speedup["ratio"] == pytest.approx(
+        modes["bridge_export_alone"]["refit_s_median"] / modes["export_alone"]["refit_s_median"],
+        rel=0.01)
+    assert speedup["met"] is (speedup["ratio"] >= 3.0)
+    assert summary["targets"]["refit_speedup_over_bridge_export"]["ratio"] > 0
 
 
 @pytest.mark.timeout(240)
-def test_bench_megatron_tp2_trainers_to_two_inference_ranks_cpu():
-    """Split job: 2 trainer ranks hold the tiny Llama at TP2 (Megatron sees only them), trainer
-    rank 0 sends, trainer rank 1 drains the export in step, 2 inference ranks receive."""
-    import torch
-
-    from mcore_refit.refit.synthetic import llama_specs
-
-    result = run_torchrun(RECIPE, "--config", str(CONFIG), "bench.source=megatron",
-                          "bench.num_trainer_ranks=2", "megatron.parallel.tensor=2",
-                          nproc=4, timeout_s=230)
-    lines = _lines(result.stdout)
-    summary = _check(lines, source="megatron", placement="non_colocated", modes=ALL_MODES)
-    layout = {"trainer_ranks": 2, "inference_ranks": 2, "tp": 2, "pp": 1, "vpp": None, "dp": 1}
-    assert all(line["layout"] == layout for line in lines)
-    # Full (TP-gathered) HF tensors of the tiny_llama preset, not TP shards.
-    expected = llama_specs(num_layers=4, hidden=64, intermediate=128, num_heads=4,
-                           num_kv_heads=2, head_dim=16, vocab=128, dtype=torch.float32)
-    for line in lines[:-1]:
-        if line["mode"] != "raw_link":
-            assert line["bytes"] == sum(s.num_bytes for s in expected), line
-        if line["mode"] in ("naive", "single_buffer", "engine", "transport_alone"):
-            assert line["num_tensors"] == len(expected) == 39, line
-    assert summary["all_verified"] is True
+def test_megatron_tp2_trainers_to_two_inference_ranks():
+    """2 trainer ranks hold the tiny Llama at TP2 (Megatron sees only them) and each sends the
+    pieces of the HF tensors its shards make up to 2 inference ranks."""
+    modes, summary = bench("bench.source=megatron", "bench.num_trainer_ranks=2",
+                           "megatron.parallel.tensor=2",
+                           "bench.modes=[raw_link, single_buffer, engine, transport_alone]",
+                           nproc=4, timeout_s=230)
+    assert summary["layout"] == {"trainer_ranks": 2, "inference_ranks": 2, "tp": 2, "pp": 1,
+                                 "vpp": None, "dp": 1}
+    for mode in ("single_buffer", "engine", "transport_alone"):
+        # Whole tensors on the receivers, sent as pieces from both ranks.
+        assert modes[mode]["payload_bytes"] == TINY_LLAMA_BYTES
+        assert modes[mode]["num_sources"] == 2
+        assert modes[mode]["num_tensors"] > len(TINY_LLAMA)
+        assert_phases(modes[mode])
 
 
-def test_bench_rejects_a_bad_override():
-    with pytest.raises(AssertionError, match="bench.modes must be distinct entries of"):
-        run_torchrun(RECIPE, "--config", str(CONFIG), "bench.modes=[fast]", nproc=1,
+@pytest.mark.timeout(240)
+def test_megatron_tp2_colocated_engines_on_every_rank():
+    """Each of 2 TP ranks spawns its own engine; every engine receives the whole model."""
+    modes, summary = bench("refit.mode=colocated", "bench.source=megatron",
+                           "bench.num_trainer_ranks=2", "megatron.parallel.tensor=2",
+                           "bench.modes=[raw_link, engine, bridge_export]", nproc=2,
+                           timeout_s=230)
+    assert summary["placement"] == "colocated"
+    assert modes["engine"]["num_sources"] == 2 and modes["bridge_export"]["num_sources"] == 1
+    for mode in ("engine", "bridge_export"):
+        assert modes[mode]["payload_bytes"] == TINY_LLAMA_BYTES
+        assert_phases(modes[mode])
+
+
+@pytest.mark.timeout(240)
+def test_trainer_only_times_the_exports_with_no_engine():
+    modes, summary = bench("bench.source=megatron", "bench.trainer_only=true",
+                           "bench.num_trainer_ranks=2", "megatron.parallel.pipeline=2",
+                           "bench.modes=[export_alone, bridge_export_alone]", nproc=2,
+                           timeout_s=230)
+    assert summary["placement"] == "trainer_only" and summary["raw_link_gbps"] is None
+    assert summary["layout"]["inference_ranks"] == 0
+    assert modes["export_alone"]["num_sources"] == 2
+    assert modes["bridge_export_alone"]["num_sources"] == 1
+    assert "export_speedup_over_bridge_export" in summary["targets"]
+
+
+def test_a_bad_override_fails_before_any_rank_starts_work():
+    with pytest.raises(AssertionError, match="bench.modes must be distinct entries of raw_link"):
+        run_torchrun(RECIPE, "--config", str(CONFIG), "bench.modes=[engine, engine]", nproc=1,
                      timeout_s=60)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -23,19 +21,20 @@ import zmq
 
 from mcore_refit.refit import (
     IpcInitInfo,
-    RefitConfig,
+    IpcSender,
+    LocalSource,
     RefitError,
     Refitter,
     RefitTimeout,
     TensorDictEngine,
     WeightTransferEndpoint,
     build_plan,
-    make_sender,
     plan_for_source,
 )
+from mcore_refit.refit.config import PlanConfig, TransportOptions
 from mcore_refit.refit.ipc_memory import private_runtime_dir
-from mcore_refit.refit.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
-from mcore_refit.refit.wire import Message, decode, encode
+from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
+from mcore_refit.refit.wire import BufferReady, decode, encode
 from tests.tensors import bits
 
 CPU = torch.device("cpu")
@@ -48,10 +47,13 @@ def _bump(source) -> None:
         tensor.add_(1)
 
 
-def _config(ipc_dir: str, **overrides) -> RefitConfig:
-    values = {"mode": "colocated", "buffer_bytes": 2048, "num_buffers": 2, "checksums": True,
-              "timeout_s": 5.0, "start_timeout_s": 30.0, "ipc_dir": ipc_dir}
-    return RefitConfig(**{**values, **overrides})
+def _options(ipc_dir: str, **overrides) -> TransportOptions:
+    values = {"checksums": True, "timeout_s": 5.0, "start_timeout_s": 30.0, "ipc_dir": ipc_dir}
+    return TransportOptions(**{**values, **overrides})
+
+
+def _plan_config(num_slots: int = 2) -> PlanConfig:
+    return PlanConfig(slot_bytes=2048, num_slots=num_slots)
 
 
 class _ScriptedEngine(TensorDictEngine):
@@ -73,7 +75,7 @@ class _ScriptedEngine(TensorDictEngine):
         super().load_weights(weights)
 
 
-def engine_main(address: str, config: RefitConfig, out_path: str, num_refits: int,
+def engine_main(address: str, options: TransportOptions, out_path: str, num_refits: int,
                 script: dict, drop_name: str | None, own_plan_json: str | None,
                 trainer_refits_before: int) -> None:
     """The engine process: serve ``num_refits`` refits, compare with the expected weights."""
@@ -88,7 +90,7 @@ def engine_main(address: str, config: RefitConfig, out_path: str, num_refits: in
     plan = plan_from_json(own_plan_json) if own_plan_json else None
     outcomes = []
     try:
-        with WeightTransferEndpoint(engine=engine, device=CPU, config=config,
+        with WeightTransferEndpoint(engine=engine, device=CPU, options=options,
                                     plan=plan) as endpoint:
             endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
             for refit in range(num_refits):
@@ -115,11 +117,11 @@ def engine_main(address: str, config: RefitConfig, out_path: str, num_refits: in
     Path(out_path).write_text(json.dumps(outcomes))
 
 
-def start_engine(address: str, config: RefitConfig, out_path: Path, *, num_refits: int,
+def start_engine(address: str, options: TransportOptions, out_path: Path, *, num_refits: int,
                  script: dict | None = None, drop_name: str | None = None,
                  own_plan_json: str | None = None, trainer_refits_before: int = 0):
     process = mp.get_context("spawn").Process(
-        target=engine_main, args=(address, config, str(out_path), num_refits, script or {},
+        target=engine_main, args=(address, options, str(out_path), num_refits, script or {},
                                   drop_name, own_plan_json, trainer_refits_before))
     process.start()
     return process
@@ -137,12 +139,13 @@ def finish_engine(process, out_path: Path, timeout_s: float = 30.0):
 class Trainer:
     """The trainer side, in the test process."""
 
-    def __init__(self, config: RefitConfig, *, device_id: str) -> None:
+    def __init__(self, options: TransportOptions, *, device_id: str, num_slots: int = 2) -> None:
         self.source = SyntheticWeightSource(tiny_mixed_specs(), device=CPU, seed=SEED,
                                             noncontiguous=True)
-        plan = plan_for_source(self.source, config=config, device=CPU)
-        sender = make_sender(config=config, plan=plan, device=CPU, cpu_device_id=device_id)
-        self.refitter = Refitter(source=self.source, sender=sender)
+        plan = plan_for_source(LocalSource(self.source), config=_plan_config(num_slots),
+                               device=CPU)
+        sender = IpcSender(plan=plan, device=CPU, options=options, cpu_device_id=device_id)
+        self.refitter = Refitter(source=LocalSource(self.source), sender=sender)
         self.refitter.prepare()
         self.address = sender.address
 
@@ -152,19 +155,22 @@ class Trainer:
         finally:
             _bump(self.source)
 
+    def use(self, source) -> None:
+        self.refitter.source = LocalSource(source)
+
     def close(self) -> None:
         self.refitter.close()
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("num_buffers", [1, 2, 3])
-def test_colocated_round_trip_bitwise(ipc_dir, tmp_path, num_buffers):
-    config = _config(ipc_dir, num_buffers=num_buffers)
-    trainer = Trainer(config, device_id=f"cpu-rt{num_buffers}")
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_colocated_round_trip_bitwise(ipc_dir, tmp_path, num_slots):
+    config = _options(ipc_dir)
+    trainer = Trainer(config, device_id=f"cpu-rt{num_slots}", num_slots=num_slots)
     private = private_runtime_dir(ipc_dir)
-    assert trainer.address == f"ipc://{private}/cpu-rt{num_buffers}.sock"
+    assert trainer.address == f"ipc://{private}/cpu-rt{num_slots}.sock"
     slot_files = sorted(p.name for p in private.glob("*.slot*"))
-    assert len(slot_files) == trainer.refitter.plan.num_slots_total
+    assert len(slot_files) == trainer.refitter.plan.num_held_slots
     assert all(os.stat(private / f).st_mode & 0o777 == 0o600 for f in slot_files)
     engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=3)
     try:
@@ -180,13 +186,14 @@ def test_colocated_round_trip_bitwise(ipc_dir, tmp_path, num_buffers):
     assert [o["refit_index"] for o in outcomes] == [0, 1, 2]
     assert first.verified is True and third.verified is True and second.verified is None
     plan = trainer.refitter.plan
-    assert first.bytes == plan.total_bytes and first.num_buffers == plan.num_buffers > 3
+    assert first.payload_bytes == plan.payload_bytes and first.num_buffers == plan.num_buffers > 3
+    assert first.held_bytes == plan.held_bytes
     assert any(b.oversized for b in plan.buffers)
 
 
 @pytest.mark.timeout(90)
 def test_colocated_unknown_name_and_mid_refit_raise(ipc_dir, tmp_path):
-    config = _config(ipc_dir)
+    config = _options(ipc_dir)
     trainer = Trainer(config, device_id="cpu-names")
     engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=3,
                           script={1: ("raise", 2)}, drop_name="head.weight")
@@ -219,24 +226,25 @@ def test_colocated_unknown_name_and_mid_refit_raise(ipc_dir, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_colocated_source_drift_aborts_both_sides(ipc_dir, tmp_path):
-    config = _config(ipc_dir)
+    config = _options(ipc_dir)
     trainer = Trainer(config, device_id="cpu-drift")
     engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=2)
-    healthy = trainer.refitter.source
+    healthy = trainer.source
     drifting = TensorListSource([(n, t.double() if n == "layers.1.mlp.weight" else t)
                                  for n, t in healthy.iter_weights()])
     try:
-        trainer.refitter.source = drifting
+        trainer.use(drifting)
         with pytest.raises(RefitError) as raised:
             trainer.refit()
-        trainer.refitter.source = healthy
+        trainer.use(healthy)
         recovered = trainer.refit(verify=True)
     finally:
         trainer.close()
     outcomes = finish_engine(engine, tmp_path / "engine.json")
     drift = ("the weight source yielded 'layers.1.mlp.weight' (33, 7) torch.float64 at "
              "position 8, the refit plan expects 'layers.1.mlp.weight' (33, 7) torch.float16")
-    assert str(raised.value).startswith(f"refit 0 failed on the trainer: {drift}")
+    assert str(raised.value).startswith("refit 0 failed on trainer rank 0: packing buffer ")
+    assert drift in str(raised.value)
     assert outcomes[0]["type"] == "RefitError"
     assert outcomes[0]["message"].startswith("refit 0 failed: the trainer aborted refit 0: ")
     assert drift in outcomes[0]["message"]
@@ -247,9 +255,9 @@ def test_colocated_source_drift_aborts_both_sides(ipc_dir, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_colocated_plan_mismatch(ipc_dir, tmp_path):
-    config = _config(ipc_dir)
+    config = _options(ipc_dir)
     trainer = Trainer(config, device_id="cpu-plan")
-    other = build_plan(tiny_mixed_specs(), buffer_bytes=4096, num_slots=2)
+    other = build_plan(tiny_mixed_specs(), slot_bytes=4096, num_slots=2)
     engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=1,
                           own_plan_json=other.to_json())
     try:
@@ -267,7 +275,7 @@ def test_colocated_plan_mismatch(ipc_dir, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_colocated_dead_engine_times_out_then_a_new_engine_works(ipc_dir, tmp_path):
-    config = _config(ipc_dir, timeout_s=2.0)
+    config = _options(ipc_dir, timeout_s=2.0)
     trainer = Trainer(config, device_id="cpu-dead")
     engine = start_engine(trainer.address, config, tmp_path / "dead.json", num_refits=2,
                           script={1: ("kill", 2)})
@@ -295,8 +303,8 @@ def test_colocated_dead_engine_times_out_then_a_new_engine_works(ipc_dir, tmp_pa
 
 @pytest.mark.timeout(60)
 def test_engine_times_out_when_the_trainer_is_gone(ipc_dir, tmp_path):
-    trainer = Trainer(_config(ipc_dir), device_id="cpu-gone")
-    engine = start_engine(trainer.address, _config(ipc_dir, start_timeout_s=3.0),
+    trainer = Trainer(_options(ipc_dir), device_id="cpu-gone")
+    engine = start_engine(trainer.address, _options(ipc_dir, start_timeout_s=3.0),
                           tmp_path / "engine.json", num_refits=2)
     try:
         trainer.refit()
@@ -312,7 +320,7 @@ def test_engine_times_out_when_the_trainer_is_gone(ipc_dir, tmp_path):
 @pytest.mark.timeout(60)
 def test_engine_rejects_garbage_and_pickles(ipc_dir, tmp_path):
     """A same-user process that reaches the socket gets error replies, never code execution."""
-    config = _config(ipc_dir, start_timeout_s=4.0)
+    config = _options(ipc_dir, start_timeout_s=4.0)
     directory = private_runtime_dir(ipc_dir)
     address = f"ipc://{directory}/cpu-garbage.sock"
     context = zmq.Context()
@@ -325,7 +333,7 @@ def test_engine_rejects_garbage_and_pickles(ipc_dir, tmp_path):
     replies = []
     try:
         for frames in ([b"garbage"], [pickle.dumps(os.system)],
-                       encode(Message(kind="buffer", fields={"buffer_index": 0}))):
+                       encode(BufferReady(refit_index=0, buffer_index=0))):
             intruder.send_multipart(frames)
             assert intruder.poll(20000), "the engine did not reply"
             replies.append(decode(intruder.recv_multipart()))
@@ -333,8 +341,8 @@ def test_engine_rejects_garbage_and_pickles(ipc_dir, tmp_path):
         intruder.close()
         context.term()
     outcomes = finish_engine(engine, tmp_path / "engine.json")
-    assert [r.kind for r in replies] == ["error", "error", "error"]
-    assert replies[0].fields["message"].startswith("malformed message: message of 7 bytes")
-    assert replies[1].fields["message"].startswith("malformed message: bad magic")
-    assert replies[2].fields["message"] == "unexpected buffer message before a start"
+    assert [r.KIND for r in replies] == ["error", "error", "error"]
+    assert replies[0].message.startswith("malformed message: message of 7 bytes")
+    assert replies[1].message.startswith("malformed message: bad magic")
+    assert replies[2].message == "unexpected buffer message before a start"
     assert outcomes[0]["type"] == "RefitTimeout"

@@ -22,18 +22,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mcore_refit.bench.synthetic import SyntheticWeightSource, tiny_mixed_specs
+from mcore_refit.control import ControlGroup
+from mcore_refit.distributed import Placement
 from mcore_refit.refit import (
     BroadcastInitInfo,
+    BroadcastSender,
     IpcInitInfo,
-    RefitConfig,
+    IpcSender,
+    LocalSource,
+    PlanConfig,
     Refitter,
     TensorDictEngine,
+    TensorSpec,
+    TransportOptions,
     WeightTransferEndpoint,
-    make_sender,
     plan_for_source,
 )
-from mcore_refit.refit.source import TensorSpec
-from mcore_refit.refit.synthetic import SyntheticWeightSource, tiny_mixed_specs
 from tests.tensors import bits
 
 pytestmark = [pytest.mark.gpu]
@@ -56,10 +61,12 @@ def gpu_specs() -> list[TensorSpec]:
     return specs
 
 
-def refit_config(**overrides) -> RefitConfig:
-    values = {"buffer_bytes": 16 << 20, "num_buffers": 2, "checksums": False, "timeout_s": 120.0,
-              "start_timeout_s": 300.0}
-    return RefitConfig(**{**values, **overrides})
+PLAN = PlanConfig(slot_bytes=16 << 20, num_slots=2)
+
+
+def options(**overrides) -> TransportOptions:
+    values = {"checksums": False, "timeout_s": 120.0, "start_timeout_s": 300.0}
+    return TransportOptions(**{**values, **overrides})
 
 
 def counters(device: torch.device) -> dict[str, int]:
@@ -93,13 +100,17 @@ def _nccl_entry(rank: int, port: int, out_dir: str) -> None:
 
 def _broadcast_scenario(rank: int, device: torch.device) -> dict:
     specs = gpu_specs()
+    placement = Placement(num_trainers=1, num_receivers=1, shared=frozenset())
+    control = ControlGroup(dist.new_group(backend="gloo"), timeout_s=120)
+    data_group = dist.new_group([0, 1])
     out: dict = {}
     if rank == 0:
-        source = SyntheticWeightSource(specs, device=device, seed=SEED, noncontiguous=True)
-        for name, config in (("plain", refit_config()), ("checksums", refit_config(
-                checksums=True))):
-            plan = plan_for_source(source, config=config, device=device)
-            sender = make_sender(config=config, plan=plan, device=device, src_rank=0)
+        source = LocalSource(SyntheticWeightSource(specs, device=device, seed=SEED,
+                                                   noncontiguous=True))
+        for name, transport in (("plain", options()), ("checksums", options(checksums=True))):
+            plan = plan_for_source(source, config=PLAN, device=device)
+            sender = BroadcastSender(plan=plan, placement=placement, rank=0, control=control,
+                                     data_group=data_group, device=device, options=transport)
             with Refitter(source=source, sender=sender) as refitter:
                 refitter.prepare()
                 first = refitter.refit(verify=True)
@@ -110,13 +121,14 @@ def _broadcast_scenario(rank: int, device: torch.device) -> dict:
                          "delta": delta(before, after), "held": plan.held_bytes,
                          "oversized": sum(b.oversized for b in plan.buffers)}
         # An independent bitwise check: every source tensor once more, one broadcast each.
-        for _, tensor in source.iter_weights():
+        for _, tensor in source.source.iter_weights():
             dist.broadcast(tensor.contiguous(), group_src=0)
         return out
     engine = TensorDictEngine.from_specs(specs, device=device)
-    for name, config in (("plain", refit_config()), ("checksums", refit_config())):
-        with WeightTransferEndpoint(engine=engine, device=device, config=config) as endpoint:
-            endpoint.init_weight_transfer_engine(BroadcastInitInfo(src_rank=0))
+    for name, transport in (("plain", options()), ("checksums", options(checksums=True))):
+        with WeightTransferEndpoint(engine=engine, device=device, options=transport) as endpoint:
+            endpoint.init_weight_transfer_engine(BroadcastInitInfo(
+                placement=placement, receiver=0, control=control, data_groups={0: data_group}))
             endpoint.start_weight_update()
             first = endpoint.update_weights()
             endpoint.finish_weight_update(1)
@@ -165,6 +177,8 @@ def test_broadcast_gpu0_to_gpu1_bitwise_without_new_allocations(tmp_path):
             assert side["second"]["new_segments"] == 0
         assert sent["second"]["pack_s"] > 0 and sent["second"]["transfer_s"] > 0
         assert received["second"]["load_s"] > 0
+        assert sent["second"]["checksums"] is received["second"]["checksums"] is \
+            (name == "checksums")
     # Without checksums nothing at all is allocated, not even from the allocator's cache, and
     # the buffers are the only extra memory (the source's tensors are resident).
     for side in (sender["plain"], receiver["plain"]):
@@ -183,7 +197,7 @@ def _engine_main(address: str, out_path: str) -> None:
         specs = gpu_specs()
         engine = TensorDictEngine.from_specs(specs, device=device)
         with WeightTransferEndpoint(engine=engine, device=device,
-                                    config=refit_config(mode="colocated")) as endpoint:
+                                    options=options()) as endpoint:
             endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
             endpoint.start_weight_update()
             first = endpoint.update_weights()
@@ -211,10 +225,11 @@ def test_colocated_cuda_ipc_bitwise_without_new_allocations(tmp_path):
     torch.cuda.set_device(device)
     ipc_dir = tempfile.mkdtemp(prefix="rf", dir="/tmp")
     try:
-        config = refit_config(mode="colocated", ipc_dir=ipc_dir)
-        source = SyntheticWeightSource(gpu_specs(), device=device, seed=SEED, noncontiguous=True)
-        plan = plan_for_source(source, config=config, device=device)
-        sender = make_sender(config=config, plan=plan, device=device)
+        transport = options(ipc_dir=ipc_dir)
+        source = LocalSource(SyntheticWeightSource(gpu_specs(), device=device, seed=SEED,
+                                                   noncontiguous=True))
+        plan = plan_for_source(source, config=PLAN, device=device)
+        sender = IpcSender(plan=plan, device=device, options=transport)
         assert "GPU-" in sender.address
         engine_out = tmp_path / "engine.json"
         engine = mp.get_context("spawn").Process(target=_engine_main,

@@ -83,3 +83,18 @@ def test_install_after_bridge_import_is_an_error():
     assert run_probe(code)["error"] == (
         "megatron.bridge.peft.lora_layers was imported before mcore_refit.compat.install(); "
         "import mcore_refit before megatron.bridge")
+
+
+def test_a_missing_megatron_bridge_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from mcore_refit import compat
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(compat, "_installed", [])
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "megatron.bridge" else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"megatron-bridge is not installed; .* pip install "
+                                          r"--no-deps -r requirements-nodeps.txt"):
+        compat.install()
+    assert compat._installed == []

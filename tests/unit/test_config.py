@@ -3,11 +3,16 @@
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from mcore_refit.bench.config import RefitBenchJob
 from mcore_refit.compat import te_available
-from mcore_refit.config import ModelConfig, ParallelConfig, from_dict, load_config
+from mcore_refit.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_config
+from mcore_refit.grpo.config import GRPOJobConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +50,7 @@ def test_load_yaml_with_overrides(tmp_path):
     ({"model": {"hf_path": "/c"}, "parallel": {"tensor": True}},
      "config key 'parallel.tensor' must be an integer, got True"),
     ({"model": {"hf_path": "/c"}, "parallel": {"pipeline": 0}},
-     "config key 'parallel.pipeline' must be a positive integer, got 0"),
+     "parallel.pipeline must be a positive integer, got 0"),
     ({"model": {"hf_path": "/c"}, "parallel": {"virtual_pipeline": 2}},
      "parallel.virtual_pipeline=2 needs parallel.pipeline > 1; "
      "set parallel.virtual_pipeline: null or raise parallel.pipeline"),
@@ -154,3 +159,30 @@ def test_renamed_key_names_its_new_name():
         from_dict(_Job, {"outer": {"inner": {"size": 3}}})
     assert str(error.value) == ("config key 'outer.inner.size' was renamed "
                                 "'outer.inner.shape.width'")
+
+
+@pytest.mark.parametrize(("job", "overrides", "message"), [
+    ("grpo", ["policy.optimizer.lr=0"], "policy.optimizer.lr must be a positive number, got 0.0"),
+    ("grpo", ["policy.packing.pad_to_multiple=0"],
+     "policy.packing.pad_to_multiple must be a positive integer, got 0"),
+    ("grpo", ["inference.sampling.temperature=0"],
+     "inference.sampling.temperature must be > 0, got 0.0"),
+    ("grpo", ["task.kind=jsonl"], "task.kind=jsonl needs task.path"),
+    ("grpo", ["parallel.pipeline=1", "parallel.virtual_pipeline=2"],
+     "parallel.virtual_pipeline=2 needs parallel.pipeline > 1; set parallel.virtual_pipeline: "
+     "null or raise parallel.pipeline"),
+    ("grpo", ["refit.num_buffers=2"],
+     "config key 'refit.num_buffers' was renamed 'refit.plan.num_slots'"),
+    ("bench", ["megatron.parallel.virtual_pipeline=2"],
+     "megatron.parallel.virtual_pipeline=2 needs megatron.parallel.pipeline > 1"),
+    ("bench", ["megatron.parallel.tensor=0"],
+     "megatron.parallel.tensor must be a positive integer, got 0"),
+    ("bench", ["refit.plan.num_slots=0"], "refit.plan.num_slots must be"),
+])
+def test_a_nested_section_error_names_the_full_dotted_key(job, overrides, message):
+    """Sections do not know where they are nested; the loader renders the whole path."""
+    cls, path = {"grpo": (GRPOJobConfig, CONFIGS / "grpo_tiny_cpu_colocated.yaml"),
+                 "bench": (RefitBenchJob, None)}[job]
+    with pytest.raises(ConfigError) as error:
+        load_config(cls, path, overrides)
+    assert message in str(error.value)

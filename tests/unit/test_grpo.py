@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from mcore_refit.grpo import GRPOLoss, group_advantages, logprob_mult_err
+from mcore_refit.grpo.loss import GRPOLoss, group_advantages, logprob_mult_err
 
 
 def test_group_advantages_normalise_within_each_group():

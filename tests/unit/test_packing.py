@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mcore_refit.packing import pack_for_layout, pack_sequences
+from mcore_refit.policy.packing import pack_for_layout, pack_sequences
 
 
 def _check_plan(plan, lengths, *, budget, dp_size, min_bins, multiple):

@@ -51,45 +51,45 @@ def test_scheduler_needs_decay_steps_even_when_constant():
      "unknown config key 'optimizer.learning_rate' (known keys: adam_beta1, adam_beta2, "
      "adam_eps, clip_grad, lr, lr_decay_steps, lr_schedule, lr_warmup_init, lr_warmup_steps, "
      "min_lr, use_distributed_optimizer, weight_decay)"),
-    ({"optimizer": {"lr": 0}}, "config key 'optimizer.lr' must be a positive number, got 0.0"),
+    ({"optimizer": {"lr": 0}}, "optimizer.lr must be a positive number, got 0.0"),
     ({"optimizer": {"lr": "fast"}}, "config key 'optimizer.lr' must be a number, got 'fast'"),
     ({"optimizer": {"lr": 1e-5, "min_lr": 1e-4}},
-     "config key 'optimizer.min_lr' must be between 0 and optimizer.lr=1e-05, got 0.0001"),
+     "optimizer.min_lr must be between 0 and optimizer.lr=1e-05, got 0.0001"),
     ({"optimizer": {"lr_schedule": "step"}},
      "config key 'optimizer.lr_schedule' must be one of 'constant', 'linear', 'cosine', "
      "got 'step'"),
     ({"optimizer": {"lr_schedule": "cosine"}},
      "optimizer.lr_decay_steps is required when optimizer.lr_schedule='cosine'"),
     ({"optimizer": {"lr_schedule": "linear", "lr_warmup_steps": 10, "lr_decay_steps": 10}},
-     "config key 'optimizer.lr_decay_steps' must be greater than "
+     "optimizer.lr_decay_steps must be greater than "
      "optimizer.lr_warmup_steps=10, got 10"),
     ({"optimizer": {"lr_decay_steps": 10}},
      "optimizer.lr_decay_steps has no effect with optimizer.lr_schedule='constant'; remove it "
      "or choose a decay"),
     ({"optimizer": {"lr_warmup_steps": -1}},
-     "config key 'optimizer.lr_warmup_steps' must be a non-negative integer, got -1"),
+     "optimizer.lr_warmup_steps must be a non-negative integer, got -1"),
     ({"optimizer": {"lr_warmup_init": 1.0}},
-     "config key 'optimizer.lr_warmup_init' must be between 0 and optimizer.lr=1e-06, got 1.0"),
+     "optimizer.lr_warmup_init must be between 0 and optimizer.lr=1e-06, got 1.0"),
     ({"optimizer": {"adam_beta2": 1.0}},
-     "config key 'optimizer.adam_beta2' must be in [0, 1), got 1.0"),
-    ({"optimizer": {"adam_eps": 0}}, "config key 'optimizer.adam_eps' must be positive, got 0.0"),
+     "optimizer.adam_beta2 must be in [0, 1), got 1.0"),
+    ({"optimizer": {"adam_eps": 0}}, "optimizer.adam_eps must be positive, got 0.0"),
     ({"optimizer": {"weight_decay": -0.1}},
-     "config key 'optimizer.weight_decay' must be non-negative, got -0.1"),
+     "optimizer.weight_decay must be non-negative, got -0.1"),
     ({"optimizer": {"clip_grad": 0}},
-     "config key 'optimizer.clip_grad' must be a positive number, or null for no clipping, "
+     "optimizer.clip_grad must be a positive number, or null for no clipping, "
      "got 0.0"),
     ({"optimizer": {"use_distributed_optimizer": "yes"}},
      "config key 'optimizer.use_distributed_optimizer' must be true or false, got 'yes'"),
     ({"packing": {"max_tokens_per_micro_batch": 0}},
-     "config key 'packing.max_tokens_per_micro_batch' must be a positive integer or null, "
+     "packing.max_tokens_per_micro_batch must be a positive integer or null, "
      "got 0"),
     ({"packing": {"bin_count_multiple": 2.5}},
      "config key 'packing.bin_count_multiple' must be an integer, got 2.5"),
     ({"packing": {"pad_to_multiple": 0}},
-     "config key 'packing.pad_to_multiple' must be a positive integer, got 0"),
-    ({"temperature": 0}, "config key 'temperature' must be a positive number, got 0.0"),
+     "packing.pad_to_multiple must be a positive integer, got 0"),
+    ({"temperature": 0}, "temperature must be a positive number, got 0.0"),
     ({"temperature": float("inf")},
-     "config key 'temperature' must be a positive number, got inf"),
+     "temperature must be a positive number, got inf"),
     ({"reference_model": 1}, "config key 'reference_model' must be true or false, got 1"),
 ])
 def test_bad_values_name_the_key(data, message):

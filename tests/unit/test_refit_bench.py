@@ -1,124 +1,148 @@
-"""The refit benchmark's layout checks and its lockstep between sender and draining ranks."""
+"""The refit benchmark's configuration, layout checks, mode tables and summary targets."""
+
+import typing
 
 import pytest
 
-from mcore_refit.config import ParallelConfig
-from mcore_refit.refit.bench import (
+from mcore_refit.bench import colocated, split
+from mcore_refit.bench.config import (
     BenchConfig,
+    MegatronSourceConfig,
+    Mode,
+    RefitBenchJob,
+    TargetsConfig,
     check_layout,
-    drain_refits,
-    num_refits_per_mode,
-    run_sender_refits,
 )
-from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError
+from mcore_refit.bench.results import ModeResult, summarize
+from mcore_refit.config import ConfigError, ParallelConfig, load_config
+from mcore_refit.refit.config import RefitConfig
 
 TP1 = ParallelConfig()
 TP2 = ParallelConfig(tensor=2)
 
 
-def layout(placement="non_colocated", world_size=4, parallel=TP1, **bench):
-    return check_layout(placement=placement, world_size=world_size, bench=BenchConfig(**bench),
-                        parallel=parallel)
+def job(mode="non_colocated", parallel=TP1, **bench) -> RefitBenchJob:
+    if bench.get("source") == "megatron":
+        bench.setdefault("modes", ["engine"])
+    return RefitBenchJob(bench=BenchConfig(**bench), refit=RefitConfig(mode=mode),
+                         megatron=MegatronSourceConfig(parallel=parallel))
 
 
 def test_split_layout_counts_trainer_and_inference_ranks():
-    split = layout(world_size=4, source="megatron", num_trainer_ranks=2, parallel=TP2)
-    assert (split.num_trainer_ranks, split.num_inference_ranks) == (2, 2)
-    assert split.as_dict() == {"trainer_ranks": 2, "inference_ranks": 2, "tp": 2, "pp": 1,
-                               "vpp": None, "dp": 1}
-    dp2 = layout(world_size=5, source="megatron", num_trainer_ranks=4, parallel=TP2)
+    tp2 = check_layout(job(source="megatron", num_trainer_ranks=2, parallel=TP2), world_size=4)
+    assert (tp2.placement, tp2.num_trainer_ranks, tp2.num_inference_ranks) == \
+        ("non_colocated", 2, 2)
+    assert tp2.as_dict() == {"trainer_ranks": 2, "inference_ranks": 2, "tp": 2, "pp": 1,
+                             "vpp": None, "dp": 1}
+    dp2 = check_layout(job(source="megatron", num_trainer_ranks=4, parallel=TP2), world_size=5)
     assert dp2.as_dict()["dp"] == 2 and dp2.num_inference_ranks == 1
-    synthetic = layout(world_size=3, source="dense_8b")
+    synthetic = check_layout(job(source="dense_8b"), world_size=3)
     assert synthetic.as_dict() == {"trainer_ranks": 1, "inference_ranks": 2}
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(world_size=2, source="megatron", num_trainer_ranks=2, parallel=TP2),
-     r"needs an inference rank besides the bench.num_trainer_ranks=2 trainer ranks: launch "
-     r"more than 2 ranks \(got 2\)"),
-    (dict(world_size=4, source="megatron", num_trainer_ranks=3, parallel=TP2),
-     r"bench.num_trainer_ranks=3 must be a multiple of megatron.parallel tensor × pipeline = "
-     r"2 × 1"),
-    (dict(world_size=4, source="megatron", num_trainer_ranks=2,
-          parallel=ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2)),
-     r"bench.num_trainer_ranks=2 must be a multiple of megatron.parallel tensor × pipeline = "
-     r"2 × 2"),
-    (dict(world_size=3, source="dense_8b", num_trainer_ranks=2),
-     r"bench.num_trainer_ranks=2 needs bench.source=megatron: a synthetic set \(dense_8b\)"),
-    (dict(placement="colocated", world_size=2, source="tiny"),
-     r"refit.mode=colocated runs one rank .* got 2 ranks"),
-    (dict(placement="colocated", world_size=1, source="megatron", parallel=TP2),
-     r"megatron.parallel must be tensor=1, pipeline=1, got tensor=2, pipeline=1"),
+def test_colocated_and_trainer_only_layouts_have_no_inference_ranks():
+    colocated_tp2 = check_layout(job("colocated", source="megatron", num_trainer_ranks=2,
+                                     parallel=TP2), world_size=2)
+    assert (colocated_tp2.placement, colocated_tp2.num_inference_ranks) == ("colocated", 0)
+    alone = check_layout(job(source="megatron", num_trainer_ranks=2, parallel=TP2,
+                             trainer_only=True, modes=["export_alone", "bridge_export_alone"]),
+                         world_size=2)
+    assert (alone.placement, alone.num_trainer_ranks) == ("trainer_only", 2)
+
+
+@pytest.mark.parametrize(("kwargs", "world_size", "message"), [
+    (dict(source="megatron", num_trainer_ranks=2, parallel=TP2), 2,
+     r"^refit.mode=non_colocated needs an inference rank besides the bench.num_trainer_ranks=2 "
+     r"trainer ranks: launch more than 2 ranks \(got 2\)$"),
+    (dict(source="megatron", num_trainer_ranks=3, parallel=TP2), 4,
+     r"^bench.num_trainer_ranks=3 must be a multiple of megatron.parallel tensor × pipeline = "
+     r"2 × 1 "),
+    (dict(source="megatron", num_trainer_ranks=2,
+          parallel=ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2)), 4,
+     r"^bench.num_trainer_ranks=2 must be a multiple of megatron.parallel tensor × pipeline = "
+     r"2 × 2 "),
+    (dict(source="dense_8b", num_trainer_ranks=2), 3,
+     r"^bench.num_trainer_ranks=2 needs bench.source=megatron: a synthetic set \(dense_8b\) "
+     r"lives on one trainer rank$"),
+    (dict(mode="colocated", source="tiny"), 2,
+     r"^a colocated run launches exactly bench.num_trainer_ranks=1 ranks, got 2$"),
 ])
-def test_bad_layouts_are_rejected_by_key(kwargs, message):
+def test_bad_layouts_are_rejected_by_key(kwargs, world_size, message):
     with pytest.raises(ValueError, match=message):
-        layout(**kwargs)
+        check_layout(job(**kwargs), world_size=world_size)
 
 
-def test_num_trainer_ranks_must_be_positive():
-    with pytest.raises(ValueError, match="bench.num_trainer_ranks must be an integer ≥ 1"):
-        BenchConfig(num_trainer_ranks=0)
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["bench.num_trainer_ranks=0"], "bench.num_trainer_ranks must be an integer ≥ 1, got 0"),
+    (["bench.modes=[engine, engine]"], "bench.modes must be distinct entries of raw_link, "),
+    (["bench.modes=[bridge_export]"], "bench.modes ['bridge_export'] measure "
+                                      "Megatron-Bridge's export: they need bench.source=megatron"),
+    (["bench.source=megatron", "bench.modes=[naive]"],
+     "bench.modes naive sends a synthetic set one tensor at a time"),
+    (["bench.trainer_only=true"], "bench.trainer_only=true times the export paths alone: "
+                                  "bench.modes must be among export_alone, bridge_export_alone"),
+    (["bench.targets.link_fraction=0"], "bench.targets.link_fraction must be a positive number"),
+    (["megatron.num_layers=0"], "megatron.num_layers must be a positive integer or null"),
+    (["refit.buffer_bytes=1"], "refit.buffer_bytes"),
+])
+def test_bad_bench_configs_name_the_full_key(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(RefitBenchJob, None, overrides)
+    assert message in str(error.value).replace("`", "")
 
 
-class RecordingLockstep:
-    """Stands in for TrainerLockstep: records the sender's outcomes, replays them to drains."""
-
-    def __init__(self, outcomes=()):
-        self.sent: list[tuple[int, bool]] = []
-        self._outcomes = list(outcomes)
-
-    def after_refit(self, *, failed: bool, refit_index: int) -> bool:
-        self.sent.append((refit_index, failed))
-        return self._outcomes[refit_index] if self._outcomes else failed
+def test_every_mode_has_a_driver_in_both_placements():
+    modes = set(typing.get_args(Mode))
+    assert set(split.MODES) == modes
+    assert set(colocated.MODES) == modes
 
 
-def telemetry(index: int, *, verified: bool | None = None) -> RefitTelemetry:
-    return RefitTelemetry(role="sender", transport="fake", refit_index=index, device="cpu",
-                          num_tensors=1, num_buffers=1, bytes=4, total_s=0.1 * (index + 1),
-                          verified=verified)
+def result(mode, seconds, *, payload=1_000_000_000, **fields) -> ModeResult:
+    return ModeResult(mode=mode, payload_bytes=payload, refit_s=[seconds], device="cpu",
+                      **fields)
 
 
-def test_sender_shares_every_outcome_and_stops_at_a_failed_refit():
-    bench = BenchConfig(num_warmup=1, num_refits=3, verify=True)
-    calls = []
+def test_summary_checks_the_targets_it_is_given():
+    targets = TargetsConfig(link_fraction=0.85, refit_over_transport=1.15,
+                            speedup_over_bridge=3.0)
+    results = [result("raw_link", 1.0), result("engine", 1.1, verified=True),
+               result("transport_alone", 1.0, verified=True),
+               result("export_alone", 0.02), result("bridge_export_alone", 0.05)]
+    summary = summarize(results, source="dense_8b", placement="non_colocated",
+                        targets=targets, alignment_bytes=256)
+    checks = summary["targets"]
+    assert checks["transport_vs_link"] == {"ratio": 0.9091, "target": 0.85, "met": True}
+    assert checks["refit_vs_transport_alone"] == {"ratio": 1.1, "target": 1.15, "met": True,
+                                                  "refit_s": 1.1, "transport_s": 1.0}
+    assert checks["export_speedup_over_bridge_export"] == {
+        "ratio": 2.5, "target": 3.0, "met": False, "export_s": 0.02, "bridge_export_s": 0.05}
+    assert summary["raw_link_gbps"] == 1.0 and summary["all_verified"] is True
 
-    def refit_once(verify: bool) -> RefitTelemetry:
-        calls.append(verify)
-        if len(calls) == 3:
-            raise RefitError("receiver 2 died")
-        return telemetry(len(calls) - 1)
-
-    lockstep = RecordingLockstep()
-    timed, verified, error = run_sender_refits(refit_once, bench=bench, lockstep=lockstep)
-    assert calls == [False, False, False]
-    assert lockstep.sent == [(0, False), (1, False), (2, True)]
-    assert [t.refit_index for t in timed] == [1]
-    assert verified is False and "receiver 2 died" in error
-
-
-def test_sender_verifies_on_the_last_refit_only():
-    bench = BenchConfig(num_warmup=1, num_refits=2, verify=True)
-    calls = []
-
-    def refit_once(verify: bool) -> RefitTelemetry:
-        calls.append(verify)
-        return telemetry(len(calls) - 1, verified=True if verify else None)
-
-    lockstep = RecordingLockstep()
-    timed, verified, error = run_sender_refits(refit_once, bench=bench, lockstep=lockstep)
-    assert calls == [False, False, False, True] and num_refits_per_mode(bench) == 4
-    assert [t.refit_index for t in timed] == [1, 2]
-    assert verified is True and error is None
-    assert lockstep.sent == [(i, False) for i in range(4)]
+    stricter = TargetsConfig(link_fraction=0.95, refit_over_transport=1.05)
+    checks = summarize(results, source="dense_8b", placement="non_colocated", targets=stricter,
+                       alignment_bytes=256)["targets"]
+    assert checks["transport_vs_link"]["met"] is False
+    assert checks["refit_vs_transport_alone"]["met"] is False
 
 
-def test_drains_stop_with_the_sender():
-    bench = BenchConfig(num_warmup=1, num_refits=3, verify=True)
-    passes = []
-    drain_refits(lambda: passes.append(1), bench=bench,
-                 lockstep=RecordingLockstep([False, False, True, False, False]))
-    assert len(passes) == 3
-    passes.clear()
-    drain_refits(lambda: passes.append(1), bench=bench, lockstep=RecordingLockstep())
-    assert len(passes) == num_refits_per_mode(bench) == 5
+def test_summary_uses_the_colocated_targets_per_set_and_bounds_peak_memory():
+    targets = TargetsConfig(copy_fraction_dense=0.35, copy_fraction_moe=0.25)
+    engine = dict(verified=True, held_bytes=2000, largest_tensor_bytes=1000)
+    for source, met in (("dense_8b", False), ("moe_30b_a3b", True)):
+        results = [result("raw_link", 1.0),
+                   result("engine", 3.5, peak_extra_bytes=3512, **engine)]
+        checks = summarize(results, source=source, placement="colocated", targets=targets,
+                           alignment_bytes=256)["targets"]
+        assert checks["transport_vs_link"]["met"] is met
+        # held slots + the largest tensor + two alignment units
+        assert checks["peak_extra_memory"] == {"bytes": 3512, "bound": 3512, "met": True}
+    over = summarize([result("engine", 1.0, peak_extra_bytes=3513, **engine)],
+                     source="megatron", placement="colocated", targets=targets,
+                     alignment_bytes=256)["targets"]
+    assert over["peak_extra_memory"]["met"] is False and "transport_vs_link" not in over
+
+
+def test_a_failed_verification_fails_the_summary():
+    summary = summarize([result("engine", 1.0, verified=False)], source="tiny",
+                        placement="non_colocated", targets=TargetsConfig(), alignment_bytes=256)
+    assert summary["all_verified"] is False

@@ -3,17 +3,17 @@
 import pytest
 import torch
 
+from mcore_refit.bench.synthetic import SyntheticWeightSource, tiny_mixed_specs
 from mcore_refit.refit.buffers import (
     HEADER_WORDS,
     BufferHeader,
     BufferSlots,
     BufferStatus,
+    HeaderWord,
     SourceReader,
 )
 from mcore_refit.refit.checksum import TensorDigester, buffer_checksum, mismatched_names
-from mcore_refit.refit.plan import build_plan
-from mcore_refit.refit.source import TensorSpec
-from mcore_refit.refit.synthetic import SyntheticWeightSource, tiny_mixed_specs
+from mcore_refit.refit.plan import TensorSpec, build_plan
 from tests.tensors import bits
 
 CPU = torch.device("cpu")
@@ -41,10 +41,10 @@ def mixed_named_tensors():
 def test_pack_unpack_round_trip_is_bitwise(num_slots, buffer_bytes, batched):
     named = mixed_named_tensors()
     specs = [TensorSpec.of(n, t) for n, t in named]
-    plan = build_plan(specs, buffer_bytes=buffer_bytes, num_slots=num_slots)
+    plan = build_plan(specs, slot_bytes=buffer_bytes, num_slots=num_slots)
     slots = BufferSlots.allocate(plan, CPU)
-    assert [s.numel() for s in slots.slots] == [plan.slot_bytes(i)
-                                                for i in range(plan.num_slots_total)]
+    assert [s.numel() for s in slots.slots] == [plan.slot_capacity(i)
+                                                for i in range(plan.num_held_slots)]
     storages = [s.data_ptr() for s in slots.slots]
     reader = SourceReader(plan, iter(named))
     received = {}
@@ -52,10 +52,10 @@ def test_pack_unpack_round_trip_is_bitwise(num_slots, buffer_bytes, batched):
         slots.pack_from(buffer.index, reader, batched=batched)
         # Views are zero-copy: they live inside the buffer's slot.
         slot = slots.slot_of(buffer.index)
-        for name, view in slots.named_views(buffer.index):
+        for spec, view in slots.entries(buffer.index):
             if view.numel():
                 assert slot.data_ptr() <= view.data_ptr() < slot.data_ptr() + slot.numel()
-            received[name] = view.clone()  # the slot is reused by later buffers
+            received[spec.name] = view.clone()  # the slot is reused by later buffers
     assert [s.data_ptr() for s in slots.slots] == storages  # nothing reallocated
     assert reader.extra() is None
     assert list(received) == [n for n, _ in named]
@@ -69,7 +69,7 @@ def test_pack_unpack_round_trip_is_bitwise(num_slots, buffer_bytes, batched):
 
 def test_source_reader_rejects_drift_from_the_plan():
     named = mixed_named_tensors()
-    plan = build_plan([TensorSpec.of(n, t) for n, t in named], buffer_bytes=4096, num_slots=2)
+    plan = build_plan([TensorSpec.of(n, t) for n, t in named], slot_bytes=4096, num_slots=2)
     slots = BufferSlots.allocate(plan, CPU)
     wrong_name = [("other", named[0][1])] + named[1:]
     with pytest.raises(ValueError, match=r"yielded 'other' \(7, 5\) torch.float32 at position "
@@ -78,7 +78,8 @@ def test_source_reader_rejects_drift_from_the_plan():
     wrong_dtype = [("w32", named[0][1].double())] + named[1:]
     with pytest.raises(ValueError, match="torch.float64 at position 0"):
         slots.pack_from(0, SourceReader(plan, iter(wrong_dtype)), batched=True)
-    with pytest.raises(ValueError, match="the weight source ended after 2 tensors"):
+    with pytest.raises(ValueError,
+                       match="the weight source ended before .*position 2 of the refit plan"):
         slots.pack_from(0, SourceReader(plan, iter(named[:2])), batched=False)
     reader = SourceReader(plan, iter(named + [("surplus", torch.zeros(1))]))
     for buffer in plan.buffers:
@@ -96,7 +97,7 @@ def test_unbatched_packing_honours_the_source_contract():
             yield f"t{i}", scratch
 
     plan = build_plan([TensorSpec(f"t{i}", (16,), torch.float32) for i in range(6)],
-                      buffer_bytes=4096, num_slots=1)
+                      slot_bytes=4096, num_slots=1)
     assert plan.num_buffers == 1
     slots = BufferSlots.allocate(plan, CPU)
     slots.pack_from(0, SourceReader(plan, reusing_source()), batched=False)
@@ -107,7 +108,7 @@ def test_unbatched_packing_honours_the_source_contract():
 
 def test_pack_detaches_from_autograd():
     weight = torch.nn.Parameter(torch.randn(4, 4))
-    plan = build_plan([TensorSpec.of("w", weight)], buffer_bytes=1024, num_slots=1)
+    plan = build_plan([TensorSpec.of("w", weight)], slot_bytes=1024, num_slots=1)
     slots = BufferSlots.allocate(plan, CPU)
     slots.pack(0, [weight])
     assert not slots.slots[0].requires_grad and slots.tensor_views(0)[0].grad_fn is None
@@ -115,9 +116,9 @@ def test_pack_detaches_from_autograd():
 
 
 def test_header_round_trip_and_rejections():
-    plan = build_plan(tiny_mixed_specs(), buffer_bytes=2048, num_slots=2)
+    plan = build_plan(tiny_mixed_specs(), slot_bytes=2048, num_slots=2)
     header = BufferHeader(refit_index=7, buffer_index=1, status=BufferStatus.OK,
-                          used_bytes=plan.buffers[1].used_bytes,
+                          wire_bytes=plan.buffers[1].wire_bytes,
                           fingerprint_word=plan.fingerprint_words[0], checksum=-5)
     words = header.to_words()
     assert len(words) == HEADER_WORDS
@@ -129,17 +130,17 @@ def test_header_round_trip_and_rejections():
     with pytest.raises(ValueError, match="no valid magic word"):
         BufferHeader.from_words([0] * HEADER_WORDS)
     bad_status = list(words)
-    bad_status[3] = 9
+    bad_status[HeaderWord.STATUS] = 9
     with pytest.raises(ValueError, match="unknown status 9"):
         BufferHeader.from_words(bad_status)
     no_checksum = BufferHeader(refit_index=0, buffer_index=0, status=BufferStatus.ABORTED,
-                               used_bytes=0, fingerprint_word=0)
+                               wire_bytes=0, fingerprint_word=0)
     assert BufferHeader.from_words(no_checksum.to_words()).checksum is None
 
 
 def test_buffer_checksum_is_exact_and_sensitive():
     source = SyntheticWeightSource(tiny_mixed_specs(), device=CPU, seed=3)
-    plan = build_plan(source.weight_specs(), buffer_bytes=1 << 16, num_slots=1)
+    plan = build_plan(source.weight_specs(), slot_bytes=1 << 16, num_slots=1)
     slots = BufferSlots.allocate(plan, CPU)
     slots.pack(0, [t for _, t in source.iter_weights()])
     out = torch.zeros((), dtype=torch.int64)
@@ -169,3 +170,34 @@ def test_tensor_digest_is_exact_and_position_sensitive():
         assert torch.equal(digester.digest(tensor), digester.digest(tensor.clone()))
     table = digester.table([x, swapped])
     assert mismatched_names(["a", "b"], table, digester.table([x, x])) == ["b"]
+
+
+def test_pieces_pack_from_runs_and_load_into_their_regions():
+    """A tensor sent in two pieces (two TP shards), one made of runs that lie apart in its
+    parameter (like the query rows of a fused QKV shard): packed without an intermediate copy,
+    loaded into the right rows, checked against the plan."""
+    from mcore_refit.refit.engines import TensorDictEngine
+    from mcore_refit.refit.plan import Region
+    from mcore_refit.refit.source import Piecewise
+    from mcore_refit.refit.transport import load_into
+
+    full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    fused = torch.cat([full[0:2], torch.full((1, 3), -1.0), full[2:4]])  # rows 0-1, junk, 2-3
+    first = Piecewise(shape=(4, 3), dtype=torch.float32, dim=0, offsets=[0, 2],
+                      runs=[fused[0:2], fused[3:5]])
+    specs = [TensorSpec("w", (4, 3), torch.float32, region=Region(dim=0, start=0, full=8)),
+             TensorSpec("w", (4, 3), torch.float32, region=Region(dim=0, start=4, full=8))]
+    plan = build_plan(specs, slot_bytes=4096, num_slots=1)
+    engine = TensorDictEngine.from_specs(specs, device=CPU)
+    assert engine.get_weight("w").shape == (8, 3)
+    for batched in (False, True):
+        engine.get_weight("w").zero_()
+        slots = BufferSlots.allocate(plan, CPU)
+        slots.pack_from(0, SourceReader(plan, iter([("w", first), ("w", full[4:8])])),
+                        batched=batched)
+        load_into(engine, slots.entries(0))
+        assert torch.equal(engine.get_weight("w"), full), batched
+    with pytest.raises(ValueError, match=r"weight 'w': received a piece \(4, 2\)"):
+        engine.load_weight_pieces([("w", torch.zeros(4, 2), specs[0].region)])
+    with pytest.raises(ValueError, match="the pieces of 'w' cover 4 of its 8 along dim 0"):
+        build_plan(specs[:1], slot_bytes=4096, num_slots=1)

@@ -1,4 +1,5 @@
-"""RefitConfig validation: every bad value gets an error naming its key; buffer size semantics."""
+"""RefitConfig validation: every bad value gets an error naming its full key; slot size
+semantics; the flat keys of before the plan/transport split name their new place."""
 
 from dataclasses import dataclass, field
 
@@ -6,7 +7,13 @@ import pytest
 import torch
 
 from mcore_refit.config import from_dict, load_config
-from mcore_refit.refit.config import DEFAULT_BUFFER_BYTES, RefitConfig, total_device_memory
+from mcore_refit.refit.config import (
+    DEFAULT_SLOT_BYTES,
+    PlanConfig,
+    RefitConfig,
+    TransportOptions,
+    total_device_memory,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,54 +23,77 @@ class Job:
 
 def test_defaults():
     config = RefitConfig()
-    assert config.mode == "non_colocated" and config.num_buffers == 2
-    assert config.resolve_buffer_bytes(torch.device("cpu")) == DEFAULT_BUFFER_BYTES
+    assert config.mode == "non_colocated" and config.plan.num_slots == 2
+    assert config.plan.resolve_slot_bytes(torch.device("cpu")) == DEFAULT_SLOT_BYTES
+    assert config.transport == TransportOptions()
 
 
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "refit.yaml"
-    path.write_text("refit:\n  mode: colocated\n  buffer_bytes: 4096\n  checksums: true\n")
-    job = load_config(Job, path, ["refit.num_buffers=3", "refit.timeout_s=2.5"])
-    assert job.refit == RefitConfig(mode="colocated", buffer_bytes=4096, checksums=True,
-                                    num_buffers=3, timeout_s=2.5)
+    path.write_text("refit:\n  mode: colocated\n  plan:\n    slot_bytes: 4096\n"
+                    "  transport:\n    checksums: true\n")
+    job = load_config(Job, path, ["refit.plan.num_slots=3", "refit.transport.timeout_s=2.5"])
+    assert job.refit == RefitConfig(mode="colocated",
+                                    plan=PlanConfig(slot_bytes=4096, num_slots=3),
+                                    transport=TransportOptions(checksums=True, timeout_s=2.5))
 
 
-def test_buffer_size_semantics():
+def test_slot_size_semantics():
     cpu = torch.device("cpu")
-    assert RefitConfig(buffer_bytes=1000 * 256 + 17).resolve_buffer_bytes(cpu) == 1000 * 256
-    fraction = RefitConfig(buffer_fraction=0.001).resolve_buffer_bytes(cpu)
+    assert PlanConfig(slot_bytes=1000 * 256 + 17).resolve_slot_bytes(cpu) == 1000 * 256
+    fraction = PlanConfig(slot_fraction=0.001).resolve_slot_bytes(cpu)
     total = total_device_memory(cpu)
     assert fraction % 256 == 0 and total * 0.001 - 256 < fraction <= total * 0.001
-    with pytest.raises(ValueError, match="refit.buffer_fraction=1e-15 gives 0 bytes per buffer"):
-        RefitConfig(buffer_fraction=1e-15).resolve_buffer_bytes(cpu)
+    with pytest.raises(ValueError, match="slot_fraction=1e-15 gives 0 bytes per slot"):
+        PlanConfig(slot_fraction=1e-15).resolve_slot_bytes(cpu)
 
 
 @pytest.mark.parametrize("data, message", [
     ({"mode": "colo"},
      "config key 'refit.mode' must be one of 'colocated', 'non_colocated', got 'colo'"),
-    ({"buffer_bytes": 1 << 20, "buffer_fraction": 0.1},
-     "set only one of refit.buffer_bytes and refit.buffer_fraction, got 1048576 and 0.1"),
-    ({"buffer_fraction": 0.0}, "refit.buffer_fraction must be in (0, 1], got 0.0"),
-    ({"buffer_fraction": 1.5}, "refit.buffer_fraction must be in (0, 1], got 1.5"),
-    ({"buffer_fraction": float("nan")}, "refit.buffer_fraction must be in (0, 1], got nan"),
-    ({"buffer_fraction": "half"},
-     "config key 'refit.buffer_fraction' must be a number, got 'half'"),
-    ({"buffer_bytes": 100}, "refit.buffer_bytes must be an integer ≥ 512, got 100"),
-    ({"buffer_bytes": 1.5}, "config key 'refit.buffer_bytes' must be an integer, got 1.5"),
-    ({"num_buffers": 0}, "refit.num_buffers must be an integer ≥ 1, got 0"),
-    ({"num_buffers": True}, "config key 'refit.num_buffers' must be an integer, got True"),
-    ({"alignment_bytes": 8}, "refit.alignment_bytes must be an integer ≥ 16, got 8"),
-    ({"alignment_bytes": 48}, "refit.alignment_bytes must be a power of two, got 48"),
-    ({"timeout_s": 0}, "refit.timeout_s must be a positive number of seconds, got 0.0"),
-    ({"start_timeout_s": -1},
-     "refit.start_timeout_s must be a positive number of seconds, got -1.0"),
-    ({"checksums": "yes"}, "config key 'refit.checksums' must be true or false, got 'yes'"),
-    ({"buffer_size": 10},
-     "unknown config key 'refit.buffer_size' (known keys: alignment_bytes, buffer_bytes, "
-     "buffer_fraction, checksums, ipc_dir, mode, num_buffers, start_timeout_s, timeout_s, "
-     "track_peak_memory)"),
+    ({"plan": {"slot_bytes": 1 << 20, "slot_fraction": 0.1}},
+     "set only one of refit.plan.slot_bytes and refit.plan.slot_fraction, got 1048576 and 0.1"),
+    ({"plan": {"slot_fraction": 0.0}}, "refit.plan.slot_fraction must be in (0, 1], got 0.0"),
+    ({"plan": {"slot_fraction": 1.5}}, "refit.plan.slot_fraction must be in (0, 1], got 1.5"),
+    ({"plan": {"slot_fraction": float("nan")}},
+     "refit.plan.slot_fraction must be in (0, 1], got nan"),
+    ({"plan": {"slot_fraction": "half"}},
+     "config key 'refit.plan.slot_fraction' must be a number, got 'half'"),
+    ({"plan": {"slot_bytes": 100}}, "refit.plan.slot_bytes must be an integer ≥ 512, got 100"),
+    ({"plan": {"slot_bytes": 1.5}},
+     "config key 'refit.plan.slot_bytes' must be an integer, got 1.5"),
+    ({"plan": {"num_slots": 0}}, "refit.plan.num_slots must be an integer ≥ 1, got 0"),
+    ({"plan": {"num_slots": True}},
+     "config key 'refit.plan.num_slots' must be an integer, got True"),
+    ({"plan": {"alignment_bytes": 8}},
+     "refit.plan.alignment_bytes must be an integer ≥ 16, got 8"),
+    ({"plan": {"alignment_bytes": 48}},
+     "refit.plan.alignment_bytes must be a power of two, got 48"),
+    ({"transport": {"timeout_s": 0}},
+     "refit.transport.timeout_s must be a positive number of seconds, got 0.0"),
+    ({"transport": {"start_timeout_s": -1}},
+     "refit.transport.start_timeout_s must be a positive number of seconds, got -1.0"),
+    ({"transport": {"checksums": "yes"}},
+     "config key 'refit.transport.checksums' must be true or false, got 'yes'"),
+    ({"plan": {"slot_size": 10}},
+     "unknown config key 'refit.plan.slot_size' (known keys: alignment_bytes, num_slots, "
+     "slot_bytes, slot_fraction)"),
 ])
 def test_invalid_values_name_the_key(data, message):
     with pytest.raises(ValueError) as error:
         from_dict(Job, {"refit": data})
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("old, new", [
+    ("buffer_bytes", "refit.plan.slot_bytes"), ("buffer_fraction", "refit.plan.slot_fraction"),
+    ("num_buffers", "refit.plan.num_slots"), ("alignment_bytes", "refit.plan.alignment_bytes"),
+    ("timeout_s", "refit.transport.timeout_s"), ("checksums", "refit.transport.checksums"),
+    ("start_timeout_s", "refit.transport.start_timeout_s"),
+    ("ipc_dir", "refit.transport.ipc_dir"),
+    ("track_peak_memory", "refit.transport.track_peak_memory"),
+])
+def test_old_flat_keys_name_their_new_place(old, new):
+    with pytest.raises(ValueError) as error:
+        from_dict(Job, {"refit": {old: 1}})
+    assert str(error.value) == f"config key 'refit.{old}' was renamed '{new}'"

@@ -10,19 +10,21 @@ import threading
 import pytest
 import torch
 
+from mcore_refit.bench.synthetic import TensorListSource
+from mcore_refit.distributed import Placement
 from mcore_refit.refit import (
     HFModelEngine,
     IpcInitInfo,
+    IpcSender,
+    LocalSource,
     NamedTensorEngine,
-    RefitConfig,
     Refitter,
     WeightTransferEndpoint,
     init_info_from_dict,
-    make_sender,
     plan_for_source,
 )
+from mcore_refit.refit.config import PlanConfig, TransportOptions
 from mcore_refit.refit.receiver import BroadcastInitInfo
-from mcore_refit.refit.synthetic import TensorListSource
 
 CPU = torch.device("cpu")
 
@@ -67,17 +69,15 @@ def test_refit_into_a_hugging_face_model_over_the_colocated_transport(ipc_dir):
     with torch.no_grad():
         assert not torch.equal(trained(tokens).logits, serving(tokens).logits)
     # The export a trainer would produce: every state-dict name, tied lm_head included.
-    source = TensorListSource(list(trained.state_dict().items()))
-    config = RefitConfig(mode="colocated", buffer_bytes=16384, num_buffers=2, checksums=True,
-                         timeout_s=10, start_timeout_s=30,
-                         ipc_dir=ipc_dir)
-    plan = plan_for_source(source, config=config, device=CPU)
-    sender = make_sender(config=config, plan=plan, device=CPU, cpu_device_id="hf-engine-test")
+    source = LocalSource(TensorListSource(list(trained.state_dict().items())))
+    options = TransportOptions(checksums=True, timeout_s=10, start_timeout_s=30, ipc_dir=ipc_dir)
+    plan = plan_for_source(source, config=PlanConfig(slot_bytes=16384, num_slots=2), device=CPU)
+    sender = IpcSender(plan=plan, device=CPU, options=options, cpu_device_id="hf-engine-test")
     engine = HFModelEngine(serving)
     outcome = {}
 
     def serve():
-        with WeightTransferEndpoint(engine=engine, device=CPU, config=config) as endpoint:
+        with WeightTransferEndpoint(engine=engine, device=CPU, options=options) as endpoint:
             endpoint.init_weight_transfer_engine(IpcInitInfo(address=sender.address))
             endpoint.start_weight_update()
             outcome["telemetry"] = endpoint.update_weights()
@@ -101,7 +101,7 @@ def test_refit_into_a_hugging_face_model_over_the_colocated_transport(ipc_dir):
 
 def test_endpoint_call_order_is_enforced():
     endpoint = WeightTransferEndpoint(engine=NamedTensorEngine({}, description="e"), device=CPU,
-                                      config=RefitConfig())
+                                      options=TransportOptions())
     with pytest.raises(RuntimeError, match="call init_weight_transfer_engine before"):
         endpoint.start_weight_update()
     with pytest.raises(RuntimeError, match="call start_weight_update before update_weights"):
@@ -112,14 +112,13 @@ def test_endpoint_call_order_is_enforced():
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"transport": "nccl"}, "init_info.transport must be 'ipc' or 'broadcast', got 'nccl'"),
+    ({"transport": "nccl"}, "init_info.transport must be 'ipc' (the broadcast transport takes a "
+                            "BroadcastInitInfo), got 'nccl'"),
     ({"transport": "ipc"}, "init_info for transport 'ipc' lacks 'address'"),
     ({"transport": "ipc", "address": "tcp://x"},
      "init_info.address must be an ipc:// address, got 'tcp://x'"),
     ({"transport": "ipc", "address": "ipc:///x", "port": 1},
      "unknown init_info key 'port' for transport 'ipc' (known: address)"),
-    ({"transport": "broadcast", "src_rank": -1},
-     "init_info.src_rank must be a group rank ≥ 0, got -1"),
 ])
 def test_init_info_parsing(data, message):
     with pytest.raises(ValueError) as error:
@@ -127,8 +126,11 @@ def test_init_info_parsing(data, message):
     assert str(error.value) == message
 
 
-def test_init_info_parsing_ok():
-    assert init_info_from_dict({"transport": "broadcast", "src_rank": 2}) == \
-        BroadcastInitInfo(src_rank=2)
+def test_init_info_parsing_ok_and_broadcast_info_checks_its_rank():
     assert init_info_from_dict({"transport": "ipc", "address": "ipc:///a/b.sock"}) == \
         IpcInitInfo(address="ipc:///a/b.sock")
+    placement = Placement(num_trainers=2, num_receivers=1)
+    with pytest.raises(ValueError) as error:
+        BroadcastInitInfo(placement=placement, receiver=1, control=None)
+    assert str(error.value) == ("init_info.receiver=1 is not an inference rank of the placement "
+                                "(1 inference ranks)")

@@ -11,8 +11,8 @@ from mcore_refit.refit.telemetry import RefitTelemetry
 def test_as_dict_is_json_with_derived_fields():
     telemetry = RefitTelemetry(role="sender", transport="broadcast", refit_index=3,
                                device="cuda:0", num_tensors=291, num_buffers=16,
-                               bytes=16_060_522_496, total_s=0.0501234567, pack_s=0.0123456789,
-                               buffer_bytes=2 << 30)
+                               payload_bytes=16_060_522_496, total_s=0.0501234567,
+                               pack_s=0.0123456789, held_bytes=2 << 30)
     telemetry.record_memory({"peak_transient_bytes": 1024, "new_allocations": 0,
                              "new_segments": 0})
     data = json.loads(json.dumps(telemetry.as_dict()))
@@ -30,6 +30,6 @@ def test_memory_fields_are_none_on_cpu():
     stats = probe.stop()
     assert stats == {"peak_transient_bytes": None, "new_allocations": None, "new_segments": None}
     telemetry = RefitTelemetry(role="receiver", transport="ipc", refit_index=0, device="cpu",
-                               num_tensors=1, num_buffers=1, bytes=8)
+                               num_tensors=1, num_buffers=1, payload_bytes=8)
     telemetry.record_memory(stats)
     assert telemetry.peak_extra_bytes is None and telemetry.gbps == 0.0

@@ -2,20 +2,50 @@
 
 import json
 import os
+import re
 import struct
 
 import pytest
 
 from mcore_refit.refit.ipc_memory import check_private_dir, private_runtime_dir
-from mcore_refit.refit.wire import WIRE_VERSION, Message, WireError, decode, encode
+from mcore_refit.refit.wire import (
+    WIRE_VERSION,
+    Ack,
+    BufferReady,
+    Complete,
+    Error,
+    Hello,
+    Ready,
+    SlotHandle,
+    Start,
+    Started,
+    Summary,
+    WireError,
+    decode,
+    encode,
+)
 
 
-def test_round_trip_with_blobs():
-    message = Message(kind="hello", fields={"plan": "{}", "slots": [{"nbytes": 4}], "n": None},
-                      blobs=(b"\x00\x01handle", b"", b"x" * 1000))
+def _hello() -> Hello:
+    return Hello(plan="{}", device_key="GPU-1", blobs=(b"\x00\x01handle", b"", b"x" * 1000),
+                 slots=(SlotHandle(kind="cuda", nbytes=4, first_blob=0, num_blobs=3),
+                        SlotHandle(kind="shm", nbytes=8, file="a.slot1")))
+
+
+@pytest.mark.parametrize("message", [
+    _hello(), Ready(fingerprint="ab"), Start(refit_index=3, fingerprint="ab", checksums=True,
+                                             verify=False),
+    Started(refit_index=3), BufferReady(refit_index=3, buffer_index=7),
+    Ack(buffer_index=7, ok=False, message="boom"), Ack(buffer_index=7, ok=True),
+    Complete(refit_index=3, aborted=None, blobs=(b"digests",)),
+    Summary(ok=True, num_tensors=2, payload_bytes=10, verified=True),
+    Error(message="no", need_hello=True),
+], ids=lambda m: m.KIND)
+def test_every_message_round_trips_typed(message):
     frames = encode(message)
-    assert frames[0][:4] == b"MCRF" and len(frames) == 4
-    assert decode(frames) == message
+    assert frames[0][:4] == b"MCRF"
+    decoded = decode(frames)
+    assert type(decoded) is type(message) and decoded == message
     assert decode([memoryview(f) for f in frames]) == message
 
 
@@ -25,7 +55,7 @@ def _frame(header: dict | bytes, *, magic=b"MCRF", version=WIRE_VERSION, reserve
     return struct.pack("!4sHHI", magic, version, reserved, len(body) + length_delta) + body
 
 
-GOOD = {"kind": "ack", "fields": {"ok": True}, "blob_sizes": []}
+GOOD = {"kind": "ack", "fields": {"buffer_index": 0, "ok": True}, "blob_sizes": []}
 
 
 @pytest.mark.parametrize("frames, message", [
@@ -51,13 +81,27 @@ def test_garbage_is_rejected(frames, message):
         decode(frames)
 
 
-def test_typed_field_access():
-    message = decode(encode(Message(kind="buffer", fields={"buffer_index": 3, "ok": True})))
-    assert message.get("buffer_index", int) == 3
-    with pytest.raises(WireError, match="field 'ok' has type bool"):
-        message.get("ok", int)
-    with pytest.raises(WireError, match="buffer message lacks field 'names'"):
-        message.get("names", list)
+@pytest.mark.parametrize("kind, fields, message", [
+    ("ack", {"ok": True}, "ack message lacks field 'buffer_index'"),
+    ("ack", {"buffer_index": True, "ok": True},
+     "field 'ack.buffer_index' has type bool, expected int"),
+    ("ack", {"buffer_index": 1, "ok": 1}, "field 'ack.ok' has type int, expected bool"),
+    ("ack", {"buffer_index": 1, "ok": True, "names": []}, "ack message has unknown field 'names'"),
+    ("hello", {"plan": "{}", "device_key": "k", "slots": [{"kind": "tcp", "nbytes": 1}]},
+     "field 'hello.slots[0].kind' must be one of"),
+    ("hello", {"plan": "{}", "device_key": "k", "slots": {}},
+     "field 'hello.slots' must be a list, got dict"),
+    ("summary", {"ok": True, "message": 3}, "field 'summary.message' has type int, expected str"),
+])
+def test_fields_are_validated_once_at_decode(kind, fields, message):
+    frames = [_frame({"kind": kind, "fields": fields, "blob_sizes": []})]
+    with pytest.raises(WireError, match=re.escape(message)):
+        decode(frames)
+
+
+def test_blobs_only_where_a_message_carries_them():
+    with pytest.raises(WireError, match="a ack message carries no blobs, got 1"):
+        decode([_frame({**GOOD, "blob_sizes": [1]}), b"a"])
 
 
 def test_private_dir_is_created_0700_and_checked(tmp_path):

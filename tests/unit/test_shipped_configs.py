@@ -5,30 +5,29 @@ The GPU configs never run in CI; a misspelt key or a bad value in them is caught
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from mcore_refit.config import load_config
-from mcore_refit.grpo_config import GRPOJobConfig
+from mcore_refit.bench.config import RefitBenchJob
+from mcore_refit.config import ConfigError, load_config
+from mcore_refit.grpo.config import GRPOJobConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-RECIPES = CONFIGS.parent / "recipes"
+JOBS = (GRPOJobConfig, RefitBenchJob)
 
 
-def _refit_bench_job_class():
-    spec = importlib.util.spec_from_file_location("refit_bench_recipe", RECIPES / "refit_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module.RefitBenchJob
-
-
-def test_every_config_is_covered():
-    names = sorted(path.name for path in CONFIGS.glob("*.yaml"))
-    assert names and all(name.startswith(("grpo_", "refit_bench")) for name in names), names
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_is_read_by_exactly_one_recipe(path):
+    """A file no recipe can load (a stray or renamed key) fails here, whatever its name."""
+    loads = []
+    for job_class in JOBS:
+        try:
+            load_config(job_class, str(path), [])
+        except ConfigError:
+            continue
+        loads.append(job_class.__name__)
+    assert len(loads) == 1, f"{path.name} loads as {loads or 'nothing'}"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("grpo_*.yaml")), ids=lambda p: p.stem)
@@ -42,14 +41,14 @@ def test_grpo_config_loads(path):
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("refit_bench*.yaml")), ids=lambda p: p.stem)
 def test_refit_bench_config_loads(path):
-    job = load_config(_refit_bench_job_class(), str(path), [])
+    job = load_config(RefitBenchJob, str(path), [])
     # Both bench configs default to the non-colocated placement (colocated is an override).
     assert job.refit.mode == "non_colocated"
 
 
 def test_collective_timeout_outlasts_every_bounded_wait():
     path = CONFIGS / "grpo_tiny_cpu_colocated.yaml"
-    config = load_config(GRPOJobConfig, str(path), ["refit.timeout_s=30",
-                                                    "refit.start_timeout_s=45",
+    config = load_config(GRPOJobConfig, str(path), ["refit.transport.timeout_s=30",
+                                                    "refit.transport.start_timeout_s=45",
                                                     "inference.timeout_s=700"])
     assert config.collective_timeout_s == 760.0

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from mcore_refit.tasks import ArithmeticTask, ExactMatchReward, JsonlTask, Problem, score
+from mcore_refit.grpo.tasks import ArithmeticTask, ExactMatchReward, JsonlTask, Problem, score
 
 
 def test_arithmetic_task_is_seeded_and_correct():

@@ -53,7 +53,8 @@ def corrupted_weight_is_caught(path, device, parallel: ParallelConfig):
     """
     from megatron.core import parallel_state
 
-    from mcore_refit.model import build_model, hf_reference_state
+    from mcore_refit.model import build_model
+    from mcore_refit.verify import hf_reference_state
     from mcore_refit.verify import compare_export
 
     distributed.init_model_parallel(parallel, seed=0)
@@ -77,16 +78,22 @@ def corrupted_weight_is_caught(path, device, parallel: ParallelConfig):
 
 
 def export_reads_current_parameters(path, device):
-    """In-place updates and replaced Parameter objects both reach the export and the source."""
+    """In-place updates and replaced Parameter objects both reach Bridge's export and the refit
+    source (whose compiled tensors are views of the parameters)."""
     from megatron.core import parallel_state
 
+    from mcore_refit.control import ControlGroup
     from mcore_refit.model import build_model
-    from mcore_refit.refit.source import BridgeWeightSource
+    from mcore_refit.refit import PlanConfig, plan_for_source
+    from mcore_refit.refit.export import ModelExport
 
     parallel = ParallelConfig(pipeline=2, virtual_pipeline=2)
     distributed.init_model_parallel(parallel, seed=0)
     try:
         model = build_model(ModelConfig(hf_path=str(path)), parallel, device=device)
+        control = ControlGroup(None, timeout_s=60)
+        export = ModelExport(model, control=control, device=device)
+        plan = plan_for_source(export, config=PlanConfig(slot_bytes=1 << 20), device=device)
         last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         norm_owner = model.unwrapped()[-1].decoder
         first_tasks = model.conversion_tasks()
@@ -94,22 +101,39 @@ def export_reads_current_parameters(path, device):
             with torch.no_grad():
                 norm_owner.final_layernorm.weight.fill_(3.0)
         in_place = dict(model.export_hf_weights())["model.norm.weight"].unique().tolist()
+        source_in_place = _source_norm(export, plan, control)
         reused = model.conversion_tasks() is first_tasks
         if last_stage:
             weight = norm_owner.final_layernorm.weight
             norm_owner.final_layernorm.weight = torch.nn.Parameter(torch.full_like(weight, 5.0))
-        replaced = dict(model.export_hf_weights())["model.norm.weight"].unique().tolist()
+        agreed = any(control.all_gather_json(model.parameters_replaced(), what="replaced"))
+        replaced = dict(model.export_hf_weights(rebuild=agreed))["model.norm.weight"]
+        replaced = replaced.unique().tolist()
         rebuilt = model.conversion_tasks() is not first_tasks
-        source = BridgeWeightSource(model)
-        specs = source.weight_specs()
-        weights = list(source.iter_weights())
-        specs_match = [(s.name, s.shape, s.dtype) for s in specs] == [
-            (name, tuple(t.shape), t.dtype) for name, t in weights]
+        source_replaced = _source_norm(export, plan, control)
         return {"in_place": in_place, "tasks_reused": reused, "replaced": replaced,
-                "tasks_rebuilt": rebuilt, "source_specs_match": specs_match,
-                "source_norm": dict(weights)["model.norm.weight"].unique().tolist()}
+                "tasks_rebuilt": rebuilt, "source_in_place": source_in_place,
+                "source_replaced": source_replaced}
     finally:
         distributed.destroy_model_parallel()
+
+
+def _source_norm(export, plan, control) -> list[float]:
+    """The distinct values of ``model.norm.weight`` in one pass of ``export``, from the rank
+    that sends it (every rank checks its own tensors against the plan's specs)."""
+    refit_pass = export.begin(plan)
+    own = refit_pass.own_weights()
+    found = None
+    for buffer in plan.buffers:
+        refit_pass.exchange(buffer, timeout_s=60)
+        if buffer.source != control.rank:
+            continue
+        for planned in plan.tensors_of(buffer):
+            name, tensor = next(own)
+            assert name == planned.spec.name and tuple(tensor.shape) == planned.spec.shape
+            if name == "model.norm.weight":
+                found = tensor.unique().tolist()
+    return next(v for v in control.all_gather_json(found, what="the norm") if v is not None)
 
 
 def main():

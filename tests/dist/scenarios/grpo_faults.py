@@ -21,43 +21,52 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
-
-import grpo  # noqa: E402  (the recipe module: build_trainer, train)
-
-from mcore_refit import distributed  # noqa: E402
-from mcore_refit.config import load_config  # noqa: E402
-from mcore_refit.generation import (  # noqa: E402
-    ColocatedRollouts,
-    DedicatedRollouts,
-    serve_inference,
-)
-from mcore_refit.grpo_config import GRPOJobConfig  # noqa: E402
+from mcore_refit import distributed
+from mcore_refit.config import load_config
+from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.grpo.job import build_trainer, train, weight_source
+from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 
 # Short enough that a rank left waiting in a collective fails the test quickly, long enough for
 # a refit of the tiny model on a loaded CPU.
 COLLECTIVE_TIMEOUT_S = 90.0
 
 
-class CorruptingSource:
-    """Yields the wrapped source's tensors, with ``name`` shifted by ``delta``."""
+class _Transformed:
+    """A refit source whose pass hands every yielded ``(name, tensor)`` through ``change``."""
 
-    def __init__(self, source, *, name: str, delta: float) -> None:
-        self._source, self._name, self._delta = source, name, delta
+    def __init__(self, source, change) -> None:
+        self._source, self._change = source, change
 
-    def weight_specs(self):
-        return self._source.weight_specs()
+    def layout(self):
+        return self._source.layout()
 
-    def iter_weights(self):
-        for name, tensor in self._source.iter_weights():
-            yield name, (tensor + self._delta if name == self._name else tensor)
+    def begin(self, plan):
+        refit_pass = self._source.begin(plan)
+        change = self._change
+
+        class Pass:
+            stable_tensors = False
+
+            def exchange(self, buffer, *, timeout_s):
+                refit_pass.exchange(buffer, timeout_s=timeout_s)
+
+            def own_weights(self):
+                for index, (name, tensor) in enumerate(refit_pass.own_weights()):
+                    yield change(index, name, tensor)
+
+        return Pass()
+
+
+def corrupting(source, *, name: str, delta: float):
+    """Shifts tensor ``name`` by ``delta`` on its way to the engine."""
+    return _Transformed(source, lambda index, n, t: (n, t + delta if n == name else t))
 
 
 class EngineKillingRollouts(ColocatedRollouts):
@@ -87,37 +96,27 @@ class ConnectFailingRollouts(ColocatedRollouts):
         super()._connect(**kwargs)
 
 
-class RenamingSource:
-    """The wrapped source, with its first tensor renamed while ``armed``."""
-
-    def __init__(self, source) -> None:
-        self._source, self.armed = source, False
-
-    def weight_specs(self):
-        return self._source.weight_specs()
-
-    def iter_weights(self):
-        for index, (name, tensor) in enumerate(self._source.iter_weights()):
-            yield ("model.misnamed.weight" if self.armed and index == 0 else name), tensor
-
-
 class MisnamingRollouts(DedicatedRollouts):
-    """Trainer rank 0's export misnames a tensor in the refit to ``weight_version``."""
+    """Trainer rank 0's export misnames its first tensor in the refit to ``weight_version``."""
 
     def __init__(self, *, source, weight_version: int, **kwargs) -> None:
-        self._renaming = RenamingSource(source)
+        self._armed = False
         self._weight_version = weight_version
-        super().__init__(source=self._renaming, **kwargs)
+
+        def rename(index, name, tensor):
+            return ("model.misnamed.weight" if self._armed and index == 0 else name), tensor
+
+        super().__init__(source=_Transformed(source, rename), **kwargs)
 
     def refit(self, *, weight_version: int, verify: bool) -> dict:
-        self._renaming.armed = self._lead and weight_version == self._weight_version
+        self._armed = self._lead and weight_version == self._weight_version
         return super().refit(weight_version=weight_version, verify=verify)
 
 
 def _rollouts(args, *, source, **common) -> ColocatedRollouts:
     if args.fault == "corrupt":
-        corrupted = CorruptingSource(source, name=args.corrupt, delta=0.05)
-        return ColocatedRollouts(source=corrupted, **common)
+        return ColocatedRollouts(source=corrupting(source, name=args.corrupt, delta=0.05),
+                                 **common)
     if args.fault == "kill_engine":
         return EngineKillingRollouts(source=source, victim_rank=1, weight_version=1, **common)
     return ConnectFailingRollouts(source=source, victim_rank=0, **common)
@@ -147,11 +146,12 @@ def run_colocated(args, config, *, rank: int, world_size: int, local_rank: int) 
                                            timeout_s=COLLECTIVE_TIMEOUT_S)
     raised = None
     try:
-        policy, source, pad_token_id = grpo.build_trainer(config, context.device)
+        policy, pad_token_id = build_trainer(config, context.device)
+        source = weight_source(policy, context.control_group, config, context.device)
         rollouts = _rollouts(args, config=config, context=context, source=source,
                              job_id=f"faults-{os.getpid()}")
         try:
-            summary = grpo.train(config, policy, rollouts, pad_token_id, context.device, False)
+            summary = train(config, policy, rollouts, pad_token_id, context.device, False)
         finally:
             rollouts.close()
     except Exception as error:
@@ -177,10 +177,11 @@ def run_non_colocated(args, config, *, rank: int, world_size: int, local_rank: i
         if not job.is_trainer:
             serve_inference(config=config, job=job)
             return
-        policy, source, pad_token_id = grpo.build_trainer(config, job.context.device)
+        policy, pad_token_id = build_trainer(config, job.context.device)
+        source = weight_source(policy, job.context.control_group, config, job.context.device)
         rollouts = MisnamingRollouts(config=config, job=job, source=source, weight_version=1)
         try:
-            grpo.train(config, policy, rollouts, pad_token_id, job.context.device, False)
+            train(config, policy, rollouts, pad_token_id, job.context.device, False)
         finally:
             rollouts.close()
     except Exception as error:

@@ -5,7 +5,7 @@
 - ``tiny``: a few KB mixing fp32 / bf16 / fp16 / int64, a 0-dim and an empty tensor (tests,
   CPU smoke runs).
 
-Used by the benchmark and tests; the refit engine only sees the ``WeightSource`` protocol.
+Used by the benchmark and tests; the refit engine only sees the source protocols.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from mcore_refit.refit.source import TensorSpec
+from mcore_refit.refit.plan import TensorSpec
 
 SYNTHETIC_SETS = ("dense_8b", "moe_30b_a3b", "tiny")
 

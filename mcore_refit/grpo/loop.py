@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from mcore_refit.grpo import GRPOLoss, group_advantages, logprob_mult_err
-from mcore_refit.grpo_config import GRPOJobConfig, TaskConfig
+from mcore_refit.grpo.batch import build_rollout_batch, with_fields
+from mcore_refit.grpo.config import GRPOJobConfig, TaskConfig
+from mcore_refit.grpo.loss import GRPOLoss, group_advantages, logprob_mult_err
+from mcore_refit.grpo.tasks import ArithmeticTask, ExactMatchReward, JsonlTask, Task, score
 from mcore_refit.policy.worker import Policy
-from mcore_refit.rollout import build_rollout_batch, with_fields
-from mcore_refit.tasks import ArithmeticTask, ExactMatchReward, JsonlTask, Task, score
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
              device: torch.device, is_logging_rank: bool, resume: bool) -> dict:
     """Train ``config.run.steps`` GRPO steps; returns the summary (same on every trainer rank).
 
-    ``rollouts`` is a :class:`~mcore_refit.generation.ColocatedRollouts` or
-    :class:`~mcore_refit.generation.DedicatedRollouts`.
+    ``rollouts`` is a :class:`~mcore_refit.grpo.rollouts.ColocatedRollouts` or
+    :class:`~mcore_refit.grpo.rollouts.DedicatedRollouts`.
     """
     output_dir = Path(config.run.output_dir)
     start_step = _resume(policy, output_dir) if resume else 0
@@ -201,8 +202,6 @@ class ProgressBar:
     def __init__(self, total: int, initial: int, *, enabled: bool) -> None:
         self._bar = None
         if enabled:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total, initial=initial, desc="grpo", unit="step",
                              dynamic_ncols=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mcore_refit.config import Dtype, ModelConfig, ParallelConfig
+from mcore_refit.config import ConfigError, Dtype, ModelConfig, ParallelConfig
 from mcore_refit.inference.engine import SamplingConfig
 from mcore_refit.policy.config import PolicyConfig
 from mcore_refit.refit.config import RefitConfig
@@ -27,9 +27,9 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         if self.kind == "jsonl" and not self.path:
-            raise ValueError("task.kind=jsonl needs task.path")
+            raise ConfigError("`kind`=jsonl needs `path`")
         if self.kind == "arithmetic" and self.path is not None:
-            raise ValueError("task.path is only used with task.kind=jsonl")
+            raise ConfigError("`path` is only used with `kind`=jsonl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,10 +45,10 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
-            raise ValueError(f"grpo.prompts_per_step must be ≥ 1, got {self.prompts_per_step}")
+            raise ConfigError(f"`prompts_per_step` must be ≥ 1, got {self.prompts_per_step}")
         if self.samples_per_prompt < 2:
-            raise ValueError("grpo.samples_per_prompt must be ≥ 2 (advantages compare samples of "
-                             f"one prompt), got {self.samples_per_prompt}")
+            raise ConfigError("`samples_per_prompt` must be ≥ 2 (advantages compare samples of "
+                              f"one prompt), got {self.samples_per_prompt}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,9 +69,9 @@ class InferenceConfig:
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
-            raise ValueError(f"inference.num_ranks must be ≥ 1, got {self.num_ranks}")
+            raise ConfigError(f"`num_ranks` must be ≥ 1, got {self.num_ranks}")
         if not self.timeout_s > 0:
-            raise ValueError(f"inference.timeout_s must be > 0, got {self.timeout_s}")
+            raise ConfigError(f"`timeout_s` must be > 0, got {self.timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,9 +89,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError(f"run.steps must be ≥ 1, got {self.steps}")
+            raise ConfigError(f"`steps` must be ≥ 1, got {self.steps}")
         if self.checkpoint_every < 0:
-            raise ValueError(f"run.checkpoint_every must be ≥ 0, got {self.checkpoint_every}")
+            raise ConfigError(f"`checkpoint_every` must be ≥ 0, got {self.checkpoint_every}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,16 +110,16 @@ class GRPOJobConfig:
     def __post_init__(self) -> None:
         temperature = self.inference.sampling.temperature
         if self.policy.temperature != temperature:
-            raise ValueError(
-                f"policy.temperature={self.policy.temperature} differs from "
-                f"inference.sampling.temperature={temperature}; the trainer must score the "
+            raise ConfigError(
+                f"`policy.temperature`={self.policy.temperature} differs from "
+                f"`inference.sampling.temperature`={temperature}; the trainer must score the "
                 "distribution the engine samples from"
             )
         if self.inference.dtype != self.model.dtype:
-            raise ValueError(f"inference.dtype={self.inference.dtype} differs from "
-                             f"model.dtype={self.model.dtype}; refits copy tensors as exported")
+            raise ConfigError(f"`inference.dtype`={self.inference.dtype} differs from "
+                              f"`model.dtype`={self.model.dtype}; refits copy tensors as exported")
         if self.grpo.kl_coef > 0 and not self.policy.reference_model:
-            raise ValueError("grpo.kl_coef > 0 needs policy.reference_model: true")
+            raise ConfigError("`grpo.kl_coef` > 0 needs `policy.reference_model`: true")
 
     @property
     def collective_timeout_s(self) -> float:
@@ -131,5 +131,6 @@ class GRPOJobConfig:
         of a non-colocated job also wait this long for trainer rank 0's next command, so a
         training step must take less (raise ``inference.timeout_s`` for longer steps).
         """
-        return max(self.refit.start_timeout_s, self.refit.timeout_s,
+        transport = self.refit.transport
+        return max(transport.start_timeout_s, transport.timeout_s,
                    self.inference.timeout_s) + 60.0

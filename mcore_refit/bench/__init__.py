@@ -1,0 +1,97 @@
+"""The refit benchmark: how fast weights move from the trainer into inference engines, measured
+against the limit of the hardware in the same run (driven by ``recipes/refit_bench.py``).
+
+Modes (``bench.modes``), each with ``num_warmup`` untimed and ``num_refits`` timed repetitions,
+then (``verify``) one refit compared with the source bit for bit:
+
+- ``raw_link``: the limit. Non-colocated, one ``raw_link_bytes`` broadcast from trainer rank 0
+  to the inference ranks on other devices; colocated, a device-to-device copy of that size;
+- ``naive``: one transfer per tensor, unpacked (non-colocated: a broadcast per tensor of a
+  synthetic set; colocated: the IPC protocol with one tensor per message);
+- ``single_buffer``: this engine with one slot per source (no overlap of pack and transfer);
+- ``engine``: this engine as configured;
+- ``transport_alone``: this engine from the same tensors captured in memory (no export);
+- ``export_alone``: the export with nothing moved (every trainer rank's reads; the slowest);
+- ``bridge_export``, ``bridge_export_alone``: the same with Megatron-Bridge's own export (the
+  baseline this project's export is measured against).
+
+Layouts (:func:`~mcore_refit.bench.config.check_layout`): colocated (every rank trains and
+spawns its engine, :mod:`.colocated`), non-colocated (trainer ranks, then inference ranks,
+:mod:`.split`), and trainer-only (the export modes alone, with no engine on any device).
+"""
+
+from __future__ import annotations
+
+import os
+
+from mcore_refit import distributed
+from mcore_refit.bench.colocated import ColocatedBench, run_colocated
+from mcore_refit.bench.config import BenchLayout, RefitBenchJob, check_layout
+from mcore_refit.bench.results import ModeResult, emit, summarize
+from mcore_refit.bench.sources import build_sources
+from mcore_refit.bench.split import SplitBench, run_split
+from mcore_refit.control import ControlGroup
+
+__all__ = ["RefitBenchJob", "run_bench"]
+
+
+def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int,
+              job_id: str) -> int:
+    """Run ``job`` on this rank of a torchrun launch; the process exit code.
+
+    Rank 0 prints one JSON line per mode and the summary (also appended to ``bench.output``);
+    the exit code is 0 there only when every verified refit matched bit for bit and no mode
+    failed. ``job_id`` names this launch's IPC sockets on CPU.
+    """
+    layout = check_layout(job, world_size=world_size)
+    timeout_s = job.refit.transport.start_timeout_s + 60
+    if layout.placement == "non_colocated":
+        split = distributed.init_split_job(
+            rank=rank, world_size=world_size, local_rank=local_rank,
+            num_inference_ranks=layout.num_inference_ranks,
+            store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            timeout_s=timeout_s)
+        context = split.context
+    else:
+        split = None
+        context = distributed.init_distributed(rank=rank, world_size=world_size,
+                                               local_rank=local_rank, timeout_s=timeout_s)
+    try:
+        control_timeout = job.refit.transport.start_timeout_s
+        trainers = ControlGroup(context.control_group, timeout_s=control_timeout,
+                                name="the trainer ranks' control group")
+        is_trainer = split is None or split.is_trainer
+        sources = (trainers.run_everywhere("building the benchmark's sources", build_sources,
+                                           job, device=context.device, control=trainers,
+                                           who="trainer rank")
+                   if is_trainer else None)
+        if layout.placement == "colocated":
+            cpu_id = f"{job_id}-rank{rank}" if context.device.type == "cpu" else None
+            results = run_colocated(ColocatedBench(job=job, trainers=trainers,
+                                                   device=context.device, sources=sources,
+                                                   cpu_device_id=cpu_id))
+        else:
+            control = (ControlGroup(split.refit_control, timeout_s=control_timeout,
+                                    name="the benchmark's control group")
+                       if split is not None else trainers)
+            results = run_split(SplitBench(job=job, split=split, control=control,
+                                           trainers=trainers, device=context.device,
+                                           sources=sources))
+    finally:
+        distributed.shutdown()
+    if results is None:
+        return 0
+    return report(job, layout, results)
+
+
+def report(job: RefitBenchJob, layout: BenchLayout, results: list[ModeResult]) -> int:
+    """Print (and append to ``bench.output``) a line per mode and the summary; the exit code."""
+    where = {"source": job.bench.source, "placement": layout.placement,
+             "layout": layout.as_dict()}
+    for result in results:
+        emit({**where, **result.as_dict()}, job.bench.output)
+    summary = summarize(results, source=job.bench.source, placement=layout.placement,
+                        targets=job.bench.targets,
+                        alignment_bytes=job.refit.plan.alignment_bytes)
+    emit({**summary, "layout": layout.as_dict()}, job.bench.output)
+    return 0 if summary["all_verified"] and not any(r.error for r in results) else 1

@@ -1,0 +1,162 @@
+"""The benchmark's results: one JSON line per mode, and the summary line with the targets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcore_refit.bench.config import TargetsConfig
+from mcore_refit.refit.telemetry import RefitTelemetry
+
+PHASES = ("export_s", "pack_s", "transfer_s", "load_s", "wait_s", "checksum_s")
+
+
+@dataclass
+class ModeResult:
+    """One JSON line of the benchmark."""
+
+    mode: str
+    payload_bytes: int
+    refit_s: list[float]
+    device: str
+    verified: bool | None = None
+    num_tensors: int | None = None
+    num_buffers: int | None = None
+    num_sources: int | None = None
+    held_bytes: int | None = None
+    largest_tensor_bytes: int | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    receiver_phases: dict[str, float] = field(default_factory=dict)
+    peak_extra_bytes: int | None = None
+    receiver_peak_extra_bytes: int | None = None
+    new_allocations: int | None = None
+    new_segments: int | None = None
+    receiver_new_allocations: int | None = None
+    receiver_new_segments: int | None = None
+    error: str | None = None
+
+    @property
+    def refit_s_median(self) -> float:
+        return statistics.median(self.refit_s) if self.refit_s else float("nan")
+
+    @property
+    def gbps(self) -> float:
+        median = self.refit_s_median
+        return self.payload_bytes / median / 1e9 if median > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["refit_s_median"] = round(self.refit_s_median, 6)
+        data["gbps"] = round(self.gbps, 3)
+        data["refit_s"] = [round(s, 6) for s in self.refit_s]
+        return {"mode": data.pop("mode"), **data}
+
+
+def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: list[dict], *,
+                     verified: bool | None, device: str, error: str | None) -> ModeResult:
+    """Fold the timed refits' telemetry of both ends into one result."""
+    result = ModeResult(mode=mode, payload_bytes=plan.payload_bytes, device=device,
+                        refit_s=[t.total_s for t in sender], verified=verified,
+                        num_tensors=plan.num_tensors, num_buffers=plan.num_buffers,
+                        num_sources=len(plan.sources),
+                        held_bytes=max((t.held_bytes for t in sender), default=None),
+                        largest_tensor_bytes=plan.largest_tensor_bytes, error=error)
+    if sender:
+        result.phases = {p: round(statistics.median(getattr(t, p) for t in sender), 6)
+                         for p in PHASES}
+    if receiver:
+        result.receiver_phases = {p: round(statistics.median(t[p] for t in receiver), 6)
+                                  for p in PHASES}
+    result.peak_extra_bytes = _max(t.peak_extra_bytes for t in sender)
+    result.new_allocations = _sum(t.new_allocations for t in sender)
+    result.new_segments = _sum(t.new_segments for t in sender)
+    result.receiver_peak_extra_bytes = _max(t["peak_extra_bytes"] for t in receiver)
+    result.receiver_new_allocations = _sum(t["new_allocations"] for t in receiver)
+    result.receiver_new_segments = _sum(t["new_segments"] for t in receiver)
+    return result
+
+
+def summarize(results: list[ModeResult], *, source: str, placement: str,
+              targets: TargetsConfig, alignment_bytes: int) -> dict[str, Any]:
+    """The last JSON line: every mode against the link, and the targets it must meet."""
+    by_mode = {r.mode: r for r in results}
+    link = by_mode.get("raw_link")
+    link_gbps = link.gbps if link is not None else None
+    modes = {r.mode: {"gbps": round(r.gbps, 3), "refit_s_median": round(r.refit_s_median, 6),
+                      "fraction_of_link": round(r.gbps / link_gbps, 4) if link_gbps else None,
+                      "verified": r.verified} for r in results}
+    checks: dict[str, Any] = {}
+    engine = by_mode.get("engine")
+    if engine is not None and link_gbps and source != "megatron":
+        if placement == "non_colocated":
+            needed = targets.link_fraction
+        else:
+            needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
+                      else targets.copy_fraction_dense)
+        checks["transport_vs_link"] = _at_least(engine.gbps / link_gbps, needed)
+    transport = by_mode.get("transport_alone")
+    if engine is not None and transport is not None:
+        checks["refit_vs_transport_alone"] = {
+            **_at_most(_ratio(engine.refit_s_median, transport.refit_s_median),
+                       targets.refit_over_transport),
+            "refit_s": round(engine.refit_s_median, 6),
+            "transport_s": round(transport.refit_s_median, 6)}
+    bridge = by_mode.get("bridge_export")
+    if engine is not None and bridge is not None:
+        checks["refit_speedup_over_bridge_export"] = {
+            "ratio": round(_ratio(bridge.refit_s_median, engine.refit_s_median), 4)}
+    export, bridge_alone = by_mode.get("export_alone"), by_mode.get("bridge_export_alone")
+    if export is not None and bridge_alone is not None:
+        checks["export_speedup_over_bridge_export"] = {
+            **_at_least(_ratio(bridge_alone.refit_s_median, export.refit_s_median),
+                        targets.speedup_over_bridge),
+            "export_s": round(export.refit_s_median, 6),
+            "bridge_export_s": round(bridge_alone.refit_s_median, 6)}
+    if engine is not None and engine.peak_extra_bytes is not None:
+        bound = engine.held_bytes + engine.largest_tensor_bytes + 2 * alignment_bytes
+        checks["peak_extra_memory"] = {"bytes": engine.peak_extra_bytes, "bound": bound,
+                                       "met": engine.peak_extra_bytes <= bound}
+    if engine is not None and engine.new_segments is not None:
+        checks["no_new_allocations_after_first_refit"] = {
+            "new_allocations": engine.new_allocations, "new_segments": engine.new_segments,
+            "receiver_new_allocations": engine.receiver_new_allocations,
+            "receiver_new_segments": engine.receiver_new_segments,
+            "met": engine.new_segments == 0 and not engine.receiver_new_segments}
+    return {"summary": True, "source": source, "placement": placement,
+            "device": results[0].device if results else None,
+            "raw_link_gbps": round(link_gbps, 3) if link_gbps else None,
+            "modes": modes, "targets": checks,
+            "all_verified": all(r.verified is not False for r in results)}
+
+
+def emit(line: dict[str, Any], output: str | None) -> None:
+    text = json.dumps(line)
+    print(text, flush=True)
+    if output is not None:
+        with open(output, "a") as handle:
+            handle.write(text + "\n")
+
+
+def _at_least(ratio: float, target: float) -> dict[str, Any]:
+    return {"ratio": round(ratio, 4), "target": target, "met": ratio >= target}
+
+
+def _at_most(ratio: float, target: float) -> dict[str, Any]:
+    return {"ratio": round(ratio, 4), "target": target, "met": ratio <= target}
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else float("inf")
+
+
+def _max(values) -> int | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _sum(values) -> int | None:
+    values = [v for v in values if v is not None]
+    return sum(values) if values else None

@@ -1,0 +1,236 @@
+"""The benchmark on a split job: trainer ranks send, inference ranks receive (non-colocated), or
+trainer ranks only (``bench.trainer_only``: the export paths alone).
+
+Every rank runs every mode, in order, from :data:`MODES` (what a trainer rank does, what an
+inference rank does). Between modes and between refits ranks wait for each other on the host
+(the control plane), never inside a device collective: a waiting NCCL kernel would slow down
+whatever shares its GPU. A refit's time is trainer rank 0's, from the start exchange to the
+outcome exchange (both span every rank); an export's is the slowest trainer rank's.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mcore_refit.bench.rank import BenchRank
+from mcore_refit.bench.results import ModeResult, transport_result
+from mcore_refit.bench.sources import BenchSources
+from mcore_refit.control import ControlGroup
+from mcore_refit.distributed import SplitJob
+from mcore_refit.refit import (
+    BroadcastInitInfo,
+    BroadcastSender,
+    Refitter,
+    TensorDictEngine,
+    plan_for_source,
+)
+from mcore_refit.refit.checksum import DigestRecorder, verify_engine_weights
+from mcore_refit.refit.group import GroupCollectives
+from mcore_refit.refit.plan import spec_from_json, spec_to_json
+from mcore_refit.refit.streams import DeviceStreams
+
+
+@dataclass
+class SplitBench(BenchRank):
+    """One rank's view of a benchmark run on a split job."""
+
+    split: SplitJob | None  # None: a trainer-only launch
+    control: ControlGroup  # every rank of the launch
+    trainers: ControlGroup  # the trainer ranks
+    sources: BenchSources | None  # trainer ranks only
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.split is None or self.split.is_trainer
+
+    @property
+    def rank(self) -> int:
+        return self.split.global_rank if self.split is not None else self.trainers.rank
+
+
+def run_split(bench: SplitBench) -> list[ModeResult] | None:
+    """Every mode of ``bench.job.bench.modes``; the results on trainer rank 0, else None."""
+    results = []
+    for mode in bench.job.bench.modes:
+        bench.control.barrier(what=f"every rank at the start of mode {mode}",
+                              timeout_s=bench.job.refit.transport.start_timeout_s)
+        role = MODES[mode]
+        if bench.is_trainer:
+            results.append(role.trainer(bench, mode))
+        else:
+            role.receiver(bench, mode)
+        bench.synchronize()
+    return results if bench.is_trainer and bench.rank == 0 else None
+
+
+# --- raw link --------------------------------------------------------------------------------
+
+
+def _raw_link(bench: SplitBench, mode: str) -> ModeResult | None:
+    """One ``raw_link_bytes`` broadcast from trainer rank 0 over its data group per repetition;
+    the slowest member's time. Ranks outside the group wait on the host."""
+    size = bench.job.bench.raw_link_bytes
+    group = bench.split.data_groups.get(0)
+    payload = torch.ones(size, dtype=torch.uint8, device=bench.device) if group else None
+    times = []
+    for index in bench.repetitions():
+        bench.control.barrier(what=f"the start of raw link broadcast {index}")
+        started = time.perf_counter()
+        if group is not None:
+            GroupCollectives(group=group, streams=DeviceStreams(bench.device)).broadcast(
+                payload, src_rank=0, what=f"the raw {size}-byte broadcast",
+                timeout_s=bench.job.refit.transport.timeout_s)
+        elapsed = time.perf_counter() - started if group is not None else 0.0
+        slowest = max(bench.control.all_gather_json(elapsed, what="the raw link times"))
+        if bench.timed(index):
+            times.append(slowest)
+    if not bench.is_trainer:
+        return None
+    if bench.rank == 0 and group is None:
+        raise ValueError("raw_link needs an inference rank on another device than trainer "
+                         "rank 0 (every inference rank shares its device)")
+    return ModeResult(mode=mode, payload_bytes=size, refit_s=times, device=bench.device_name)
+
+
+# --- one transfer per tensor -----------------------------------------------------------------
+
+
+def _naive_trainer(bench: SplitBench, mode: str) -> ModeResult:
+    """One broadcast per tensor straight from the synthetic set, received into a fresh tensor
+    and loaded (what a refit without packing or overlap does)."""
+    source = bench.sources.main.source
+    specs = source.weight_specs()
+    bench.control.broadcast_json([spec_to_json(s) for s in specs], src=0,
+                                 what="the naive mode's tensor specs")
+    link = GroupCollectives(group=bench.split.data_groups[0], streams=DeviceStreams(bench.device))
+    timeout_s = bench.job.refit.transport.timeout_s
+
+    def once(digests: DigestRecorder | None = None) -> None:
+        for _, tensor in source.iter_weights():
+            tensor = tensor.contiguous()
+            if digests is not None:
+                digests(tensor)
+            link.broadcast_async(tensor, src_rank=0, what="a per-tensor broadcast").wait_stream(
+                link.streams, timeout_s=timeout_s)
+
+    times = bench.time_repetitions(bench.control, once)
+    verified = None
+    if bench.job.bench.verify:
+        digests = DigestRecorder(bench.device)
+        once(digests)
+        bench.control.broadcast_json(digests.table(len(specs)).tolist(), src=0,
+                                     what="the sender's digests")
+        verified = all(bench.control.all_gather_json(True, what="the naive mode's check"))
+    return ModeResult(mode=mode, payload_bytes=sum(s.num_bytes for s in specs), refit_s=times,
+                      device=bench.device_name, verified=verified, num_tensors=len(specs))
+
+
+def _naive_receiver(bench: SplitBench, mode: str) -> None:
+    specs = [spec_from_json(s) for s in bench.control.broadcast_json(
+        None, src=0, what="the naive mode's tensor specs")]
+    engine = TensorDictEngine.from_specs(specs, device=bench.device)
+    link = GroupCollectives(group=bench.split.data_groups[0], streams=DeviceStreams(bench.device))
+    timeout_s = bench.job.refit.transport.timeout_s
+
+    def once() -> None:
+        for spec in specs:
+            received = torch.empty(spec.shape, dtype=spec.dtype, device=bench.device)
+            link.broadcast_async(received, src_rank=0, what="a per-tensor broadcast").wait_stream(
+                link.streams, timeout_s=timeout_s)
+            engine.load_weights([(spec.name, received)])
+
+    bench.time_repetitions(bench.control, once)
+    if bench.job.bench.verify:
+        once()
+        table = torch.tensor(bench.control.broadcast_json(None, src=0,
+                                                          what="the sender's digests"))
+        failure = verify_engine_weights(engine, specs, table.to(bench.device))
+        bench.control.all_gather_json(failure is None, what="the naive mode's check")
+
+
+# --- refits ----------------------------------------------------------------------------------
+
+
+def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
+    """Warm-up and timed refits of ``mode``'s source, then one verified refit."""
+    job, split = bench.job, bench.split
+    source = bench.sources.for_mode(mode)
+    plan = plan_for_source(source, config=bench.plan_config(mode), device=bench.device)
+    sender = BroadcastSender(plan=plan, placement=split.placement, rank=split.global_rank,
+                             control=bench.control,
+                             data_group=split.data_groups.get(split.global_rank),
+                             device=bench.device, options=job.refit.transport,
+                             cpu_device_id=f"bench{split.global_rank}")
+    timed, verified, error = [], None, None
+    with Refitter(source=source, sender=sender) as refitter:
+        refitter.prepare()
+        for index in range(bench.num_refits()):
+            verify = job.bench.verify and index == bench.num_refits() - 1
+            try:
+                telemetry = refitter.refit(verify=verify)
+            except Exception:  # every rank took part in the failed refit; the mode ends
+                error, verified = traceback.format_exc(), False
+                break
+            if bench.timed(index):
+                timed.append(telemetry)
+            if verify:
+                verified = telemetry.verified is True
+    receivers = bench.control.all_gather_json([], what=f"the receivers' telemetry of {mode}")
+    received = [t for rows in receivers for t in rows]
+    return transport_result(mode, plan, timed, received, verified=verified,
+                            device=bench.device_name, error=error)
+
+
+def _refit_receiver(bench: SplitBench, mode: str) -> None:
+    split, options = bench.split, bench.job.refit.transport
+    info = BroadcastInitInfo(placement=split.placement, receiver=split.context.rank,
+                             control=bench.control, data_groups=split.data_groups)
+    receiver = info.connect(device=bench.device, options=options, plan=None)
+    timed = []
+    with receiver:
+        receiver.prepare()
+        engine = TensorDictEngine.from_specs(receiver.plan.specs(), device=bench.device)
+        try:
+            for index in range(bench.num_refits()):
+                telemetry = receiver.receive(engine)
+                if bench.timed(index):
+                    timed.append(telemetry.as_dict())
+        except Exception:
+            pass  # the refit failed on every rank: the trainers report it
+    bench.control.all_gather_json(timed, what=f"the receivers' telemetry of {mode}")
+
+
+# --- the export alone ------------------------------------------------------------------------
+
+
+def _export_trainer(bench: SplitBench, mode: str) -> ModeResult:
+    return bench.time_export(bench.trainers, bench.sources, mode)
+
+
+def _idle(bench: SplitBench, mode: str) -> None:
+    """An inference rank during a mode that involves the trainer ranks only."""
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What each kind of rank does in a mode."""
+
+    trainer: Callable[[SplitBench, str], ModeResult | None]
+    receiver: Callable[[SplitBench, str], None]
+
+
+MODES: dict[str, Roles] = {
+    "raw_link": Roles(trainer=_raw_link, receiver=_raw_link),
+    "naive": Roles(trainer=_naive_trainer, receiver=_naive_receiver),
+    "single_buffer": Roles(trainer=_refit_trainer, receiver=_refit_receiver),
+    "engine": Roles(trainer=_refit_trainer, receiver=_refit_receiver),
+    "transport_alone": Roles(trainer=_refit_trainer, receiver=_refit_receiver),
+    "bridge_export": Roles(trainer=_refit_trainer, receiver=_refit_receiver),
+    "export_alone": Roles(trainer=_export_trainer, receiver=_idle),
+    "bridge_export_alone": Roles(trainer=_export_trainer, receiver=_idle),
+}

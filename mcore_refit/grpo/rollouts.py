@@ -1,0 +1,291 @@
+"""Rollout generation and refits for the GRPO loop, colocated or on dedicated inference ranks.
+
+Both backends offer the trainer the same three calls — :meth:`generate`, :meth:`release` (before
+training) and :meth:`refit` (after the optimizer step) — and both are collectives over the
+trainer ranks: every trainer rank calls them in the same order and gets the same completions, or
+the same error naming the rank where it started.
+
+- :class:`ColocatedRollouts`: every trainer rank spawns an engine process on its own device and
+  refits it over ZMQ + CUDA IPC (shared memory on CPU); prompts are split over trainer ranks;
+- :class:`DedicatedRollouts`: trainer rank 0 drives the inference ranks of a
+  :class:`~mcore_refit.distributed.SplitJob` with JSON commands, and every trainer rank sends the
+  buffers it exports to them; :func:`serve_inference` is the inference ranks' side.
+
+Every wait for a peer is on the host, over the control plane (:mod:`mcore_refit.control`,
+gloo), never inside an NCCL collective: a waiting kernel would time-slice with the engine that
+shares the GPU. Waits for generation are bounded by ``inference.timeout_s``; the inference ranks'
+wait for the next command, and the trainer ranks' waits for each other, by the job's
+``collective_timeout_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_refit.control import ControlGroup, Outcome
+from mcore_refit.distributed import DistributedContext, SplitJob
+from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
+from mcore_refit.inference.process import EngineProcess, EngineSpec, receive_weight_update
+from mcore_refit.refit import (
+    BroadcastInitInfo,
+    BroadcastSender,
+    IpcSender,
+    Refitter,
+    WeightTransferEndpoint,
+    plan_for_source,
+)
+from mcore_refit.refit.plan import RefitPlan
+from mcore_refit.refit.source import RefitSource
+from mcore_refit.refit.transport import RefitError
+
+
+class ColocatedRollouts:
+    """One engine process per trainer rank, on that rank's device."""
+
+    def __init__(self, *, config: GRPOJobConfig, context: DistributedContext,
+                 source: RefitSource, job_id: str) -> None:
+        self._config = config
+        self._context = context
+        self._trainers = ControlGroup(context.control_group,
+                                      timeout_s=config.collective_timeout_s,
+                                      name="the trainer ranks' control group")
+        self._released = False
+        self.engine: EngineProcess | None = None
+        self.refitter: Refitter | None = None
+        # Collective over the trainer ranks. A failure on one rank (an engine that does not
+        # start, a device already taken by another trainer) is raised on all of them before any
+        # rank enters the export.
+        try:
+            self._trainers.run_everywhere("starting the inference engine", self._start_engine,
+                                          who="trainer rank")
+            plan = plan_for_source(source, config=config.refit.plan, device=context.device)
+            self._trainers.run_everywhere("connecting the inference engine", self._connect,
+                                          source=source, plan=plan, job_id=job_id,
+                                          who="trainer rank")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_engine(self) -> None:
+        config, context = self._config, self._context
+        self.engine = EngineProcess(
+            EngineSpec(hf_path=config.model.hf_path, device=str(context.device),
+                       dtype=config.inference.dtype, seed=config.run.seed + context.rank,
+                       transport=config.refit.transport),
+            timeout_s=config.inference.timeout_s,
+        )
+
+    def _connect(self, *, source: RefitSource, plan: RefitPlan, job_id: str) -> None:
+        context = self._context
+        # A GPU names its socket by its UUID; on CPU every rank shares the "device", so the
+        # socket needs a per-rank identity.
+        cpu_device_id = f"{job_id}-rank{context.rank}" if context.device.type == "cpu" else None
+        several = context.world_size > 1
+        sender = IpcSender(plan=plan, device=context.device, options=self._config.refit.transport,
+                           cpu_device_id=cpu_device_id,
+                           trainers=dist.group.WORLD if several else None,
+                           control=self._trainers if several else None, rank=context.rank,
+                           peer_alive=self.engine.alive_problem)
+        self.refitter = Refitter(source=source, sender=sender)
+        # The engine connects while the trainer prepares: send first, collect the reply after.
+        self.engine.submit("init_weight_transfer_engine",
+                           init_info={"transport": "ipc", "address": sender.address})
+        self.refitter.prepare()
+        self.engine.wait("init_weight_transfer_engine")
+
+    def generate(self, prompts: Sequence[str], *, num_samples: int,
+                 sampling: SamplingConfig) -> list[list[Completion]]:
+        """Completions for every prompt on every trainer rank; each rank samples its share."""
+        rank, world = self._context.rank, self._context.world_size
+        local = Outcome.of(self.engine.call, "generate", prompts=list(prompts[rank::world]),
+                           num_samples=num_samples, sampling=sampling)
+        shards = self._trainers.share_outcomes(local, what="generate", who="trainer rank")
+        return interleave([[[Completion.from_json(c) for c in group] for group in shard]
+                           for shard in shards], len(prompts))
+
+    def release(self) -> None:
+        """Free the engines' weights and KV cache while the trainer trains (if configured)."""
+        if self._config.inference.release_memory:
+            self._trainers.run_everywhere("release_memory", self.engine.call, "release_memory",
+                                          who="trainer rank")
+            self._released = True
+
+    def refit(self, *, weight_version: int, verify: bool) -> dict:
+        """Push the trainer's current weights into every rank's engine.
+
+        Every rank takes part in the whole refit (its export and the buffers it passes on), also
+        when its own engine failed; the failure is raised on every rank afterwards.
+        """
+        engine_problem = Outcome.of(self._prepare_engine, weight_version)
+        telemetry = Outcome.of(lambda: self.refitter.refit(verify=verify).as_dict())
+        reply = Outcome.of(self.engine.wait, "update_weights") if engine_problem.ok else None
+        outcome = next((o for o in (engine_problem, telemetry, reply)
+                        if o is not None and not o.ok), telemetry)
+        self._trainers.share_outcomes(outcome, what="refit", who="trainer rank")
+        return telemetry.value
+
+    def _prepare_engine(self, weight_version: int) -> None:
+        if self._released:
+            self.engine.call("reacquire_memory")
+            self._released = False
+        self.engine.submit("update_weights", weight_version=weight_version)
+
+    def close(self) -> None:
+        try:
+            if self.refitter is not None:
+                self.refitter.close()
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+
+
+class DedicatedRollouts:
+    """Trainer side of a non-colocated job: trainer rank 0 drives the inference ranks, and every
+    trainer rank sends the refit buffers it exports."""
+
+    def __init__(self, *, config: GRPOJobConfig, job: SplitJob, source: RefitSource) -> None:
+        self._job = job
+        self._config = config
+        self._lead = job.context.rank == 0
+        timeout_s = config.collective_timeout_s
+        self._trainers = ControlGroup(job.context.control_group, timeout_s=timeout_s,
+                                      name="the trainer ranks' control group")
+        self._commands = (ControlGroup(job.control_group, timeout_s=timeout_s,
+                                       name="the inference command group")
+                          if self._lead else None)
+        # Planning reads every trainer rank's export layout: a collective over them.
+        plan = plan_for_source(source, config=config.refit.plan, device=job.context.device)
+        if self._lead:
+            self._command({"op": "init"})
+        sender = BroadcastSender(
+            plan=plan, placement=job.placement, rank=job.context.rank,
+            control=ControlGroup(job.refit_control, timeout_s=timeout_s,
+                                 name="the refit control group"),
+            data_group=job.data_groups.get(job.context.rank), device=job.context.device,
+            options=config.refit.transport, cpu_device_id=f"job{job.global_rank}")
+        self.refitter = Refitter(source=source, sender=sender)
+        self.refitter.prepare()
+
+    def generate(self, prompts: Sequence[str], *, num_samples: int,
+                 sampling: SamplingConfig) -> list[list[Completion]]:
+        outcome = Outcome(ok=True)
+        if self._lead:
+            outcome = Outcome.of(self._generate_on_inference_ranks, prompts=prompts,
+                                 num_samples=num_samples, sampling=sampling)
+        shards = self._from_lead(outcome, "generate")
+        return interleave([[[Completion.from_json(c) for c in group] for group in shard]
+                           for shard in shards], len(prompts))
+
+    def _generate_on_inference_ranks(self, *, prompts: Sequence[str], num_samples: int,
+                                      sampling: SamplingConfig) -> list:
+        self._command({"op": "generate", "prompts": list(prompts), "num_samples": num_samples,
+                       "sampling": sampling.to_json()})
+        return self._replies("generate", timeout_s=self._config.inference.timeout_s)
+
+    def release(self) -> None:
+        """Nothing to release: the engines have devices of their own."""
+
+    def refit(self, *, weight_version: int, verify: bool) -> dict:
+        """Every trainer rank sends the buffers it exports; a failure on any rank of the job is
+        raised on every trainer rank."""
+        if self._lead:
+            self._command({"op": "update", "weight_version": weight_version})
+        try:
+            telemetry = self.refitter.refit(verify=verify).as_dict()
+        except RefitError:
+            # Every rank of the job raises this same error (the refit's outcome exchange). The
+            # inference ranks reply all the same: collecting the replies keeps the command group
+            # in step.
+            if self._lead:
+                Outcome.of(self._replies, "update_weights", timeout_s=self._reply_timeout_s)
+            raise
+        replies = Outcome(ok=True)
+        if self._lead:
+            replies = Outcome.of(self._replies, "update_weights", timeout_s=self._reply_timeout_s)
+        self._trainers.share_outcomes(replies, what="refit", who="trainer rank")
+        return telemetry
+
+    @property
+    def _reply_timeout_s(self) -> float:
+        return self._config.refit.transport.timeout_s
+
+    def close(self) -> None:
+        if self._lead:
+            self._command({"op": "stop"})
+        self.refitter.close()
+
+    def _command(self, command: dict) -> None:
+        self._commands.broadcast_json(command, src=0, what=f"the {command['op']} command")
+
+    def _replies(self, what: str, *, timeout_s: float) -> list:
+        """Every inference rank's reply to the last command (raises naming a failed one)."""
+        rows = self._commands.all_gather_json(None, what=f"the inference ranks' {what}",
+                                              timeout_s=timeout_s)
+        values = []
+        for index, row in enumerate(rows[1:]):
+            reply = Outcome.from_json(row)
+            if not reply.ok:
+                raise RuntimeError(f"inference rank {index} failed {what}: {reply.error}")
+            values.append(reply.value)
+        return values
+
+    def _from_lead(self, outcome: Outcome, what: str) -> Any:
+        """Trainer rank 0's value on every trainer rank, or its error raised on every one."""
+        shared = Outcome.from_json(self._trainers.broadcast_json(
+            outcome.to_json() if self._lead else None, src=0, what=f"trainer rank 0's {what}"))
+        if not shared.ok:
+            raise RuntimeError(f"{what} failed on trainer rank 0: {shared.error}")
+        return shared.value
+
+
+def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
+    """The inference ranks' loop: answer trainer rank 0's commands until it says stop."""
+    device = job.context.device
+    engine = InferenceEngine(config.model.hf_path, device=device,
+                             dtype=getattr(torch, config.inference.dtype),
+                             seed=config.run.seed + 1000 + job.context.rank)
+    timeout_s = config.collective_timeout_s
+    commands = ControlGroup(job.control_group, timeout_s=timeout_s,
+                            name="the inference command group")
+    shard, num_shards = job.context.rank, job.num_inference_ranks
+    with WeightTransferEndpoint(engine=engine, device=device,
+                                options=config.refit.transport) as endpoint:
+        while True:
+            command = commands.broadcast_json(None, src=0, what="trainer rank 0's next command")
+            op = command["op"]
+            if op == "stop":
+                return
+            if op == "init":
+                endpoint.init_weight_transfer_engine(BroadcastInitInfo(
+                    placement=job.placement, receiver=job.context.rank,
+                    control=ControlGroup(job.refit_control, timeout_s=timeout_s,
+                                         name="the refit control group"),
+                    data_groups=job.data_groups))
+            elif op == "generate":
+                reply = Outcome.of(_generate_shard, engine, command, shard, num_shards)
+                commands.all_gather_json(reply.to_json(), what="the generate replies")
+            elif op == "update":
+                reply = Outcome.of(receive_weight_update, endpoint, engine,
+                                   command["weight_version"])
+                commands.all_gather_json(reply.to_json(), what="the update_weights replies")
+            else:
+                raise ValueError(f"unknown control command {op!r} from trainer rank 0")
+
+
+def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
+                    num_shards: int) -> list[list[dict]]:
+    groups = engine.generate(command["prompts"][shard::num_shards],
+                             num_samples=command["num_samples"],
+                             sampling=SamplingConfig.from_json(command["sampling"]))
+    return [[c.to_json() for c in group] for group in groups]
+
+
+def interleave(shards: Sequence[Sequence[Any]], num_prompts: int) -> list[Any]:
+    """Undo ``prompts[rank::world]`` sharding: shard ``r`` holds prompts r, r+world, ..."""
+    world = len(shards)
+    return [shards[index % world][index // world] for index in range(num_prompts)]
