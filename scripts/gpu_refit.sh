@@ -3,6 +3,7 @@
 # `source scripts/device_env.sh`: non-colocated (GPU0 -> GPU1) and colocated (an engine process
 # on the trainer's GPU), dense 8B and MoE 30B-A3B shapes, each against the link (the 1 GB
 # broadcast, or the device-to-device copy) measured in the same run.
+# PLACEMENT=colocated or non_colocated runs those rows only (colocated needs one GPU).
 # Results under ${OUT:-.}/refit: bench.jsonl, summaries.jsonl, rc.txt, errors.txt.
 set -u
 D=${OUT:-.}/refit; mkdir -p "$D"; export PYTHONUNBUFFERED=1
@@ -19,8 +20,11 @@ bench() {  # bench NAME LIMIT NPROC [overrides...]
   summarize "$name"
 }
 
-bench dense 60 2 bench.source=dense_8b
-bench moe 90 2 bench.source=moe_30b_a3b
+if [ "${PLACEMENT:-non_colocated}" = non_colocated ]; then
+  bench dense 60 2 bench.source=dense_8b
+  bench moe 90 2 bench.source=moe_30b_a3b
+fi
+[ "${PLACEMENT:-colocated}" = colocated ] || { cat "$D/rc.txt"; exit 0; }
 COLOCATED='bench.modes=[raw_link,naive,single_buffer,engine,export_alone,transport_alone]'
 bench colocated_dense 70 1 refit.mode=colocated bench.source=dense_8b "$COLOCATED"
 bench colocated_moe 110 1 refit.mode=colocated bench.source=moe_30b_a3b "$COLOCATED"

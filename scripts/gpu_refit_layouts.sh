@@ -3,6 +3,7 @@
 # the refit GPU tests, then the Megatron Llama-3-8B preset (random bf16 weights) refitted at
 # TP1/PP1 (2 ranks) and at PP2, PP2xVPP2 and TP2 (3 ranks: 2 trainer ranks, 1 inference rank on
 # GPU1 beside trainer rank 1), the export paths with the trainer ranks alone, and colocated TP1.
+# RUNS="alone_tp1 alone_tp2" runs those rows only (the GPU tests run when RUNS is unset).
 # Results under ${OUT:-.}/layouts: bench.jsonl (every line), summaries.jsonl, rc.txt, errors.txt.
 set -u
 D=${OUT:-.}/layouts; mkdir -p "$D"; export PYTHONUNBUFFERED=1
@@ -13,6 +14,7 @@ port=29750
 
 bench() {  # bench NAME LIMIT NPROC [overrides...]
   local name=$1 limit=$2 nproc=$3; shift 3; port=$((port + 1))
+  [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $name "* ]] || return 0
   step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
     --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py \
     --config "$CONFIG" bench.source=megatron bench.output="$D/bench.jsonl" "$@"
@@ -26,8 +28,10 @@ PP2='megatron.parallel.pipeline=2'
 VPP2='megatron.parallel.virtual_pipeline=2'
 TP2='megatron.parallel.tensor=2'
 
-step gpu_tests 100 python3 -m pytest tests/gpu/test_refit_gpu.py -q -p no:cacheprovider
-tail -n 3 /tmp/gpu_tests.out >> "$D/rc.txt"
+if [ -z "${RUNS:-}" ]; then
+  step gpu_tests 100 python3 -m pytest tests/gpu/test_refit_gpu.py -q -p no:cacheprovider
+  tail -n 3 /tmp/gpu_tests.out >> "$D/rc.txt"
+fi
 bench tp1 75 2 "$REFIT"
 bench pp2 80 3 "$REFIT" bench.num_trainer_ranks=2 "$PP2"
 bench pp2_vpp2 80 3 "$REFIT" bench.num_trainer_ranks=2 "$PP2" "$VPP2"

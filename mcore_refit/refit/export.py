@@ -171,6 +171,8 @@ class ModelExport:
         self._param_ids = self._parameter_ids()
         self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
         self._layout: ExportLayout | None = None
+        # Per compiled task: its parameter's data address and the views made of it.
+        self._views: dict[str, tuple[int, list]] = {}
 
     @property
     def model(self):
@@ -210,12 +212,28 @@ class ModelExport:
             self._rebuild(current)
         return ExportPass(self, plan)
 
+    def compiled_views(self, task: ExportTask) -> list[tuple[str, torch.Tensor | Piecewise]]:
+        """The views a compiled task yields, made once and kept while its parameter's memory
+        stays where it was (a ``.data`` move or an offload makes them again)."""
+        local = self._local[task.key]
+        weight = local.task.param_weight
+        address = weight.data_ptr()
+        cached = self._views.get(task.key)
+        if cached is None or cached[0] != address:
+            sent = {(o.name, o.region) for o in task.outputs}
+            data = weight.detach()
+            views = [(o.spec.name, _tensor(data, o, local.partition_dim))
+                     for o in local.outputs if (o.spec.name, o.spec.region) in sent]
+            cached = self._views[task.key] = (address, views)
+        return cached[1]
+
     def _parameter_ids(self) -> tuple[int, ...]:
         return tuple(id(p) for p in self._model.parameters())
 
     def _rebuild(self, param_ids: tuple[int, ...]) -> None:
         before = self.assignment()
         self._param_ids = param_ids
+        self._views.clear()
         self._model.conversion_tasks(rebuild=True)  # the fallback tensors' full export
         self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
         self._layout = None
@@ -356,12 +374,7 @@ class ExportPass:
                 for _ in task.outputs:
                     yield next(self._fallback)
             elif task.kind == COMPILED:
-                local = locals_[task.key]
-                sent = {(o.name, o.region) for o in task.outputs}
-                weight = local.task.param_weight.detach()
-                for output in local.outputs:
-                    if (output.spec.name, output.spec.region) in sent:
-                        yield output.spec.name, _tensor(weight, output, local.partition_dim)
+                yield from self._export.compiled_views(task)
             else:
                 sent = {o.name for o in task.outputs}
                 for name, tensor in self._export._stream([locals_[task.key].task]):
