@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mcore_refit.config import ConfigError, Dtype, ModelConfig, ParallelConfig
+from mcore_refit.grpo.tasks import Operation, check_arithmetic_settings
 from mcore_refit.inference.engine import SamplingConfig
 from mcore_refit.policy.config import PolicyConfig
 from mcore_refit.refit.config import RefitConfig
@@ -19,7 +20,7 @@ class TaskConfig:
     # arithmetic: operands of up to num_digits digits (at most max_operand when set), answer
     # modulo `modulo` when set
     num_digits: int = 1
-    operation: Literal["add", "sub", "mul"] = "add"
+    operation: Operation = "add"
     modulo: int | None = None
     max_operand: int | None = None
     # jsonl: a file of {"prompt": ..., "answer": ...} lines
@@ -30,6 +31,9 @@ class TaskConfig:
             raise ConfigError("`kind`=jsonl needs `path`")
         if self.kind == "arithmetic" and self.path is not None:
             raise ConfigError("`path` is only used with `kind`=jsonl")
+        if self.kind == "arithmetic":
+            check_arithmetic_settings(num_digits=self.num_digits, operation=self.operation,
+                                      modulo=self.modulo, max_operand=self.max_operand)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,9 +13,17 @@ the same error naming the rank where it started.
 
 Every wait for a peer is on the host, over the control plane (:mod:`mcore_refit.control`,
 gloo), never inside an NCCL collective: a waiting kernel would time-slice with the engine that
-shares the GPU. Waits for generation are bounded by ``inference.timeout_s``; the inference ranks'
-wait for the next command, and the trainer ranks' waits for each other, by the job's
-``collective_timeout_s``.
+shares the GPU. The bounds, all from the config:
+
+- an engine's generation (and any other engine command) and the inference ranks' generate
+  replies: ``inference.timeout_s``;
+- the inference ranks' update_weights replies after a refit: ``refit.transport.timeout_s`` (the
+  refit's own waits: ``refit.transport.start_timeout_s`` and ``refit.transport.timeout_s``);
+- the trainer ranks' waits for each other's outcomes, and the inference ranks' wait for trainer
+  rank 0's next command: the job's ``collective_timeout_s``, longer than all of the above, so the
+  rank that knows what went wrong reports it before its peers give up.
+
+Completions travel between processes and ranks as JSON (``completions_to_json``).
 """
 
 from __future__ import annotations
@@ -26,11 +34,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_refit.control import ControlGroup, Outcome
+from mcore_refit.control import ControlGroup, Outcome, RankFailure
 from mcore_refit.distributed import DistributedContext, SplitJob
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
-from mcore_refit.inference.process import EngineProcess, EngineSpec, receive_weight_update
+from mcore_refit.inference.process import (
+    EngineProcess,
+    EngineSpec,
+    completions_from_json,
+    completions_to_json,
+    receive_weight_update,
+)
 from mcore_refit.refit import (
     BroadcastInitInfo,
     BroadcastSender,
@@ -100,13 +114,16 @@ class ColocatedRollouts:
 
     def generate(self, prompts: Sequence[str], *, num_samples: int,
                  sampling: SamplingConfig) -> list[list[Completion]]:
-        """Completions for every prompt on every trainer rank; each rank samples its share."""
+        """Completions for every prompt on every trainer rank; each rank samples its share.
+
+        Each engine has ``inference.timeout_s``; the ranks then exchange their shards (or
+        errors) over the trainer ranks' gloo group.
+        """
         rank, world = self._context.rank, self._context.world_size
         local = Outcome.of(self.engine.call, "generate", prompts=list(prompts[rank::world]),
                            num_samples=num_samples, sampling=sampling)
         shards = self._trainers.share_outcomes(local, what="generate", who="trainer rank")
-        return interleave([[[Completion.from_json(c) for c in group] for group in shard]
-                           for shard in shards], len(prompts))
+        return interleave([completions_from_json(shard) for shard in shards], len(prompts))
 
     def release(self) -> None:
         """Free the engines' weights and KV cache while the trainer trains (if configured)."""
@@ -119,7 +136,9 @@ class ColocatedRollouts:
         """Push the trainer's current weights into every rank's engine.
 
         Every rank takes part in the whole refit (its export and the buffers it passes on), also
-        when its own engine failed; the failure is raised on every rank afterwards.
+        when its own engine failed; the failure is raised on every rank afterwards. The transfer
+        is bounded by ``refit.transport``'s timeouts, the engine's reply by
+        ``inference.timeout_s``.
         """
         engine_problem = Outcome.of(self._prepare_engine, weight_version)
         telemetry = Outcome.of(lambda: self.refitter.refit(verify=verify).as_dict())
@@ -173,13 +192,18 @@ class DedicatedRollouts:
 
     def generate(self, prompts: Sequence[str], *, num_samples: int,
                  sampling: SamplingConfig) -> list[list[Completion]]:
+        """Completions for every prompt on every trainer rank.
+
+        Trainer rank 0 sends the prompts to the inference ranks (each samples its share) and
+        waits ``inference.timeout_s`` for their replies; then it shares its outcome with the
+        other trainer ranks over their gloo group.
+        """
         outcome = Outcome(ok=True)
         if self._lead:
             outcome = Outcome.of(self._generate_on_inference_ranks, prompts=prompts,
                                  num_samples=num_samples, sampling=sampling)
-        shards = self._from_lead(outcome, "generate")
-        return interleave([[[Completion.from_json(c) for c in group] for group in shard]
-                           for shard in shards], len(prompts))
+        shards = self._share_lead_outcome(outcome, "generate")
+        return interleave([completions_from_json(shard) for shard in shards], len(prompts))
 
     def _generate_on_inference_ranks(self, *, prompts: Sequence[str], num_samples: int,
                                       sampling: SamplingConfig) -> list:
@@ -192,7 +216,12 @@ class DedicatedRollouts:
 
     def refit(self, *, weight_version: int, verify: bool) -> dict:
         """Every trainer rank sends the buffers it exports; a failure on any rank of the job is
-        raised on every trainer rank."""
+        raised on every trainer rank.
+
+        The transfer is bounded by ``refit.transport``'s timeouts; trainer rank 0 then waits
+        ``refit.transport.timeout_s`` for the inference ranks' replies and shares them with the
+        other trainer ranks.
+        """
         if self._lead:
             self._command({"op": "update", "weight_version": weight_version})
         try:
@@ -234,12 +263,13 @@ class DedicatedRollouts:
             values.append(reply.value)
         return values
 
-    def _from_lead(self, outcome: Outcome, what: str) -> Any:
-        """Trainer rank 0's value on every trainer rank, or its error raised on every one."""
+    def _share_lead_outcome(self, outcome: Outcome, what: str) -> Any:
+        """Trainer rank 0's value on every trainer rank, or :class:`RankFailure` naming trainer
+        rank 0 with its error on every one (``outcome`` is ignored on the other ranks)."""
         shared = Outcome.from_json(self._trainers.broadcast_json(
             outcome.to_json() if self._lead else None, src=0, what=f"trainer rank 0's {what}"))
         if not shared.ok:
-            raise RuntimeError(f"{what} failed on trainer rank 0: {shared.error}")
+            raise RankFailure(what, [(0, shared)], who="trainer rank")
         return shared.value
 
 
@@ -282,7 +312,7 @@ def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
     groups = engine.generate(command["prompts"][shard::num_shards],
                              num_samples=command["num_samples"],
                              sampling=SamplingConfig.from_json(command["sampling"]))
-    return [[c.to_json() for c in group] for group in groups]
+    return completions_to_json(groups)
 
 
 def interleave(shards: Sequence[Sequence[Any]], num_prompts: int) -> list[Any]:

@@ -12,7 +12,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
+
+from mcore_refit.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,22 @@ Operation = Literal["add", "sub", "mul"]
 _SYMBOLS = {"add": "+", "sub": "-", "mul": "*"}
 
 
+def check_arithmetic_settings(*, num_digits: int, operation: str, modulo: int | None,
+                              max_operand: int | None) -> None:
+    """Reject settings no :class:`ArithmeticTask` can have: a :class:`ConfigError` with its keys
+    relative to the task's config section (``task``)."""
+    if num_digits < 1:
+        raise ConfigError(f"`num_digits` must be ≥ 1, got {num_digits}")
+    if operation not in get_args(Operation):
+        raise ConfigError(f"`operation` must be one of {list(get_args(Operation))}, "
+                          f"got {operation!r}")
+    if modulo is not None and modulo < 2:
+        raise ConfigError(f"`modulo` must be ≥ 2 or null, got {modulo}")
+    if max_operand is not None and not 0 < max_operand < 10 ** num_digits:
+        raise ConfigError(f"`max_operand` must be in [1, {10 ** num_digits - 1}] for "
+                          f"num_digits={num_digits}, got {max_operand}")
+
+
 @dataclass(kw_only=True)
 class ArithmeticTask:
     """``a<op>b=`` → the decimal result, operands of up to ``num_digits`` digits.
@@ -65,16 +83,11 @@ class ArithmeticTask:
     max_operand: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_digits < 1:
-            raise ValueError(f"task.num_digits must be ≥ 1, got {self.num_digits}")
-        if self.operation not in _SYMBOLS:
-            raise ValueError(f"task.operation must be one of {sorted(_SYMBOLS)}, "
-                             f"got {self.operation!r}")
-        if self.modulo is not None and self.modulo < 2:
-            raise ValueError(f"task.modulo must be ≥ 2 or null, got {self.modulo}")
-        if self.max_operand is not None and not 0 < self.max_operand < 10 ** self.num_digits:
-            raise ValueError(f"task.max_operand must be in [1, {10 ** self.num_digits - 1}] for "
-                             f"num_digits={self.num_digits}, got {self.max_operand}")
+        try:
+            check_arithmetic_settings(num_digits=self.num_digits, operation=self.operation,
+                                      modulo=self.modulo, max_operand=self.max_operand)
+        except ConfigError as error:
+            raise error.at("task") from None
         self._rng = random.Random(self.seed)
 
     def sample(self, num_problems: int) -> list[Problem]:

@@ -2,10 +2,13 @@
 
 Colocated mode spawns one engine process per trainer rank, on the trainer's device; the trainer
 sends commands (generate, release/reacquire memory, receive a refit) and waits for each reply with
-a timeout. Messages are JSON (never pickle): ``{"command", "kwargs"}`` one way, ``{"ok", "value"}``
-or ``{"ok": false, "error"}`` (with the engine's traceback) the other. An exception in the engine
-is raised in the trainer as :class:`EngineError`; an engine that died is reported as such, never
-waited on forever.
+a timeout. Messages are JSON bytes (never pickle), built and read only by the functions below:
+:func:`encode_command` / :func:`decode_command` one way (``{"command", "kwargs"}``, a
+:class:`~mcore_refit.inference.engine.SamplingConfig` as a plain dict), :func:`encode_reply` /
+:func:`encode_failure` / :func:`decode_reply` the other (``{"ok": true, "value"}`` or
+``{"ok": false, "error"}`` with the engine's traceback); completions travel as
+:func:`completions_to_json`. An exception in the engine is raised in the trainer as
+:class:`EngineError`; an engine that died is reported as such, never waited on forever.
 
 The pipe is an anonymous ``multiprocessing`` connection between parent and child (not a socket),
 so nothing outside the two processes can reach it.
@@ -18,13 +21,13 @@ import dataclasses
 import json
 import multiprocessing
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mcore_refit.inference.engine import InferenceEngine, SamplingConfig
+from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.receiver import WeightTransferEndpoint
 from mcore_refit.refit.transport import RefitError
@@ -96,8 +99,7 @@ class EngineProcess:
         if self._pending is not None:
             raise RuntimeError(f"command {command!r} sent while {self._pending!r} is pending")
         self._check_alive(command)
-        self._conn.send_bytes(json.dumps({"command": command,
-                                          "kwargs": _plain(kwargs)}).encode())
+        self._conn.send_bytes(encode_command(command, kwargs))
         self._pending = command
 
     def wait(self, command: str) -> Any:
@@ -109,15 +111,13 @@ class EngineProcess:
             raise EngineError(f"the inference engine did not answer {command!r} within "
                               f"{self._timeout_s:.0f}s")
         try:
-            reply = json.loads(self._conn.recv_bytes().decode())
+            data = self._conn.recv_bytes()
         except EOFError:
             raise EngineError(f"the inference engine process died during {command!r} "
                               f"(exit code {self._process.exitcode})") from None
         finally:
             self._pending = None
-        if not reply["ok"]:
-            raise EngineError(f"the inference engine failed {command!r}:\n{reply['error']}")
-        return reply["value"]
+        return decode_reply(data, command)
 
     def _check_alive(self, command: str) -> None:
         problem = self.alive_problem()
@@ -128,8 +128,7 @@ class EngineProcess:
         if self._process.is_alive():
             try:
                 if self._pending is None:
-                    self._conn.send_bytes(json.dumps({"command": "shutdown",
-                                                      "kwargs": {}}).encode())
+                    self._conn.send_bytes(encode_command("shutdown", {}))
                 self._process.join(timeout=30)
             finally:
                 if self._process.is_alive():
@@ -162,32 +161,82 @@ def receive_weight_update(endpoint, engine, weight_version: int) -> dict:
     return telemetry.as_dict()
 
 
+# --- the pipe's messages ----------------------------------------------------------------------
+
+def encode_command(command: str, kwargs: Mapping[str, Any]) -> bytes:
+    """The message asking the engine process to run ``command`` with keyword arguments
+    ``kwargs`` (JSON values, or a :class:`SamplingConfig`, sent as its dict)."""
+    return json.dumps({"command": command, "kwargs": _plain(kwargs)}).encode()
+
+
+def decode_command(data: bytes) -> tuple[str, dict[str, Any]]:
+    """``(command, kwargs)`` from a message of :func:`encode_command` (the engine's side)."""
+    message = json.loads(data.decode())
+    return message["command"], message["kwargs"]
+
+
+def encode_reply(value: Any) -> bytes:
+    """The engine's answer to a command that succeeded: its JSON ``value``."""
+    return json.dumps({"ok": True, "value": value}).encode()
+
+
+def encode_failure(error: BaseException) -> bytes:
+    """The engine's answer to a command that raised ``error``: its full traceback text."""
+    return json.dumps({"ok": False,
+                       "error": "".join(traceback.format_exception(error))}).encode()
+
+
+def decode_reply(data: bytes, command: str) -> Any:
+    """The value of a reply to ``command``; :class:`EngineError` with the engine's traceback if
+    the command failed there, or if the reply is not a message of this pipe."""
+    try:
+        reply = json.loads(data.decode())
+        ok = reply["ok"]
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError):
+        raise EngineError(f"the inference engine answered {command!r} with a malformed "
+                          f"message: {data[:200]!r}") from None
+    if not ok:
+        raise EngineError(f"the inference engine failed {command!r}:\n{reply['error']}")
+    return reply["value"]
+
+
+def completions_to_json(groups: Sequence[Sequence[Completion]]) -> list[list[dict]]:
+    """Completion groups (one per prompt) as plain JSON data."""
+    return [[completion.to_json() for completion in group] for group in groups]
+
+
+def completions_from_json(data: Sequence[Sequence[dict]]) -> list[list[Completion]]:
+    """The completion groups :func:`completions_to_json` made."""
+    return [[Completion.from_json(completion) for completion in group] for group in data]
+
+
 def _plain(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value.to_json() if isinstance(value, SamplingConfig) else value
             for key, value in kwargs.items()}
 
 
+# --- the engine process ----------------------------------------------------------------------
+
 def _serve(server_class: type, spec_json: str, conn) -> None:
     """Engine process main loop: build, then answer commands until shutdown."""
     try:
         server = server_class(json.loads(spec_json))
-    except BaseException:
-        conn.send_bytes(json.dumps({"ok": False, "error": traceback.format_exc()}).encode())
+    except BaseException as error:
+        conn.send_bytes(encode_failure(error))
         return
-    conn.send_bytes(json.dumps({"ok": True, "value": None}).encode())
+    conn.send_bytes(encode_reply(None))
     while True:
         try:
-            message = json.loads(conn.recv_bytes().decode())
+            command, kwargs = decode_command(conn.recv_bytes())
         except EOFError:  # the trainer went away
             break
-        if message["command"] == "shutdown":
+        if command == "shutdown":
             break
         try:
-            value = getattr(server, f"do_{message['command']}")(**message["kwargs"])
-            reply = {"ok": True, "value": value}
-        except BaseException:
-            reply = {"ok": False, "error": traceback.format_exc()}
-        conn.send_bytes(json.dumps(reply).encode())
+            reply = encode_reply(getattr(server, f"do_{command}")(**kwargs))
+        except BaseException as error:
+            reply = encode_failure(error)
+        conn.send_bytes(reply)
     server.close()
 
 
@@ -211,9 +260,8 @@ class InferenceServer:
         return receive_weight_update(self.endpoint, self.engine, weight_version)
 
     def do_generate(self, prompts, num_samples, sampling) -> list[list[dict]]:
-        groups = self.engine.generate(prompts, num_samples=num_samples,
-                                      sampling=SamplingConfig.from_json(sampling))
-        return [[c.to_json() for c in group] for group in groups]
+        return completions_to_json(self.engine.generate(
+            prompts, num_samples=num_samples, sampling=SamplingConfig.from_json(sampling)))
 
     def do_release_memory(self) -> None:
         self.engine.release_memory()

@@ -10,7 +10,7 @@ import pytest
 from mcore_refit.bench.config import RefitBenchJob
 from mcore_refit.compat import te_available
 from mcore_refit.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_config
-from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.grpo.config import GRPOJobConfig, InferenceConfig, TaskConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -186,3 +186,44 @@ def test_a_nested_section_error_names_the_full_dotted_key(job, overrides, messag
     with pytest.raises(ConfigError) as error:
         load_config(cls, path, overrides)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"inference": {"num_ranks": 0}}, "inference.num_ranks must be ≥ 1, got 0"),
+    ({"inference": {"timeout_s": 0}}, "inference.timeout_s must be > 0, got 0.0"),
+    ({"grpo": {"prompts_per_step": 0}}, "grpo.prompts_per_step must be ≥ 1, got 0"),
+    ({"grpo": {"samples_per_prompt": 1}},
+     "grpo.samples_per_prompt must be ≥ 2 (advantages compare samples of one prompt), got 1"),
+    ({"run": {"steps": 0}}, "run.steps must be ≥ 1, got 0"),
+    ({"run": {"checkpoint_every": -1}}, "run.checkpoint_every must be ≥ 0, got -1"),
+    ({"task": {"kind": "jsonl"}}, "task.kind=jsonl needs task.path"),
+    ({"task": {"path": "/problems.jsonl"}}, "task.path is only used with task.kind=jsonl"),
+    ({"task": {"kind": "csv"}},
+     "config key 'task.kind' must be one of 'arithmetic', 'jsonl', got 'csv'"),
+    ({"task": {"operation": "div"}},
+     "config key 'task.operation' must be one of 'add', 'sub', 'mul', got 'div'"),
+    ({"task": {"num_digits": 0}}, "task.num_digits must be ≥ 1, got 0"),
+    ({"task": {"modulo": 1}}, "task.modulo must be ≥ 2 or null, got 1"),
+    ({"task": {"num_digits": 2, "max_operand": 100}},
+     "task.max_operand must be in [1, 99] for num_digits=2, got 100"),
+    ({"policy": {"temperature": 0.5}},
+     "policy.temperature=0.5 differs from inference.sampling.temperature=1.0; the trainer must "
+     "score the distribution the engine samples from"),
+    ({"inference": {"dtype": "bfloat16"}},
+     "inference.dtype=bfloat16 differs from model.dtype=float32; refits copy tensors as exported"),
+    ({"grpo": {"kl_coef": 0.1}, "policy": {"reference_model": False}},
+     "grpo.kl_coef > 0 needs policy.reference_model: true"),
+])
+def test_grpo_sections_name_the_full_dotted_key(sections, message):
+    with pytest.raises(ConfigError) as error:
+        from_dict(GRPOJobConfig, {"model": {"hf_path": "/ckpt"}, **sections})
+    assert str(error.value) == message
+
+
+def test_grpo_sections_built_in_code_name_their_own_keys():
+    with pytest.raises(ConfigError) as error:
+        InferenceConfig(num_ranks=0)
+    assert str(error.value) == "num_ranks must be ≥ 1, got 0"
+    with pytest.raises(ConfigError) as error:
+        TaskConfig(max_operand=10)
+    assert str(error.value) == "max_operand must be in [1, 9] for num_digits=1, got 10"
