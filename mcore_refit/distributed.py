@@ -62,16 +62,44 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int,
                               device=device, control_group=_control_group(device, timeout))
 
 
-def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
-    """Create Megatron's tensor/pipeline/data-parallel groups for ``parallel`` and seed RNGs.
+@dataclass(frozen=True, kw_only=True)
+class ModelParallel:
+    """Megatron's model-parallel layout on this rank, as :func:`init_model_parallel` created it.
+
+    The one handle the layout travels by: :func:`~mcore_refit.model.build_model` and everything
+    built on it read the layout and this rank's place in it from here, never from Megatron's
+    process-global state again.
+    """
+
+    parallel: ParallelConfig
+    tp_rank: int
+    tp_size: int
+    tp_group: dist.ProcessGroup
+    pp_rank: int
+    pp_size: int
+    pp_group: dist.ProcessGroup
+    pp_last_rank: int  # global rank of this pipeline's last stage
+    dp_rank: int
+    dp_size: int
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> ModelParallel:
+    """Create Megatron's tensor/pipeline/data-parallel groups for ``parallel``, seed the RNGs and
+    return the layout handle to build models with.
 
     Call on every rank. Megatron's model-parallel state is process-global (its API, not ours);
     :func:`destroy_model_parallel` resets it, so one process may run several layouts in turn.
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
 
     parallel.data_parallel_size(dist.get_world_size())
-    parallel_state.initialize_model_parallel(
+    ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
@@ -81,6 +109,19 @@ def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> None:
         # Registers the model-parallel CUDA RNG states; without it dropout inside attention fails
         # with "cuda rng state model-parallel-rng is not added".
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ModelParallel(
+        parallel=parallel,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_group=ps.get_data_parallel_group(),
+    )
 
 
 def destroy_model_parallel() -> None:

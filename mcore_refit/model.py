@@ -15,6 +15,7 @@ import torch
 
 from mcore_refit import compat
 from mcore_refit.config import ModelConfig, ParallelConfig
+from mcore_refit.distributed import ModelParallel
 
 # TE-only fusions; without transformer-engine each must be off before provider.finalize(), or
 # Megatron raises e.g. "apply_rope_fusion is not available. Please install TE".
@@ -89,7 +90,7 @@ class ModelChunks:
     chunks: list[torch.nn.Module]
     bridge: Any  # megatron.bridge.AutoBridge
     model_config: ModelConfig
-    parallel: ParallelConfig
+    model_parallel: ModelParallel
     shape: ModelShape
     layer_spec: str
     _conversion_tasks: list | None = field(default=None, repr=False)
@@ -100,6 +101,11 @@ class ModelChunks:
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The layout the chunks were built for."""
+        return self.model_parallel.parallel
 
     def unwrapped(self) -> list[torch.nn.Module]:
         from megatron.core.utils import unwrap_model
@@ -167,20 +173,20 @@ class ModelChunks:
         )
 
 
-def build_model(model_config: ModelConfig, parallel: ParallelConfig, *,
+def build_model(model_config: ModelConfig, model_parallel: ModelParallel, *,
                 device: torch.device, wrap_with_ddp: bool = False, ddp_config: Any = None,
                 provider_overrides: dict[str, Any] | None = None) -> ModelChunks:
-    """Build this rank's model chunks for ``parallel`` from ``model_config.hf_path``.
+    """Build this rank's model chunks from ``model_config.hf_path`` in the layout that
+    :func:`mcore_refit.distributed.init_model_parallel` returned.
 
-    Call on every rank after :func:`mcore_refit.distributed.init_model_parallel` with the same
-    ``parallel``. The layout is validated against the checkpoint's architecture first.
+    Call on every rank. The layout is validated against the checkpoint's architecture first.
     ``provider_overrides`` sets further ``GPTModelProvider`` fields (e.g. ``seq_length``).
     """
     compat.install()
     import torch.distributed as dist
     from megatron.bridge import AutoBridge
-    from megatron.core import parallel_state
 
+    parallel = model_parallel.parallel
     shape = read_model_shape(model_config.hf_path)
     parallel.validate_for_model(
         world_size=dist.get_world_size(),
@@ -188,7 +194,6 @@ def build_model(model_config: ModelConfig, parallel: ParallelConfig, *,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
     )
-    _check_model_parallel_state(parallel, parallel_state)
     layer_spec = resolve_layer_spec(model_config.layer_spec, parallel)
 
     if model_config.load_weights:
@@ -213,25 +218,8 @@ def build_model(model_config: ModelConfig, parallel: ParallelConfig, *,
         bf16=model_config.dtype == "bfloat16",
         fp16=model_config.dtype == "float16",
     )
-    assert len(chunks) == parallel.num_model_chunks, (len(chunks), parallel)
     return ModelChunks(chunks=list(chunks), bridge=bridge, model_config=model_config,
-                       parallel=parallel, shape=shape, layer_spec=layer_spec)
-
-
-def _check_model_parallel_state(parallel: ParallelConfig, parallel_state) -> None:
-    if not parallel_state.is_initialized():
-        raise RuntimeError("call mcore_refit.distributed.init_model_parallel before build_model")
-    actual = (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-    )
-    expected = (parallel.tensor, parallel.pipeline, parallel.virtual_pipeline)
-    if actual != expected:
-        raise ValueError(
-            f"Megatron's model-parallel state (tp, pp, vpp) = {actual} does not match the "
-            f"requested layout {expected}"
-        )
+                       model_parallel=model_parallel, shape=shape, layer_spec=layer_spec)
 
 
 def _configure_provider(provider, model_config: ModelConfig, parallel: ParallelConfig,

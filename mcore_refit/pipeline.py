@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_refit.distributed import ModelParallel
 from mcore_refit.model import ModelChunks
 
 # One micro-batch: ``tokens``, ``labels``, ``position_ids`` ([batch, seq]) and whatever the loss
@@ -76,17 +77,15 @@ def forward_backward(model: ModelChunks, micro_batches: Sequence[MicroBatch], *,
     )
 
 
-def broadcast_from_last_stage(tensor: torch.Tensor | None, *, shape: Sequence[int],
-                              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def broadcast_from_last_stage(tensor: torch.Tensor | None, *, model_parallel: ModelParallel,
+                              shape: Sequence[int], dtype: torch.dtype,
+                              device: torch.device) -> torch.Tensor:
     """Return the last pipeline stage's ``tensor`` on every stage of this pipeline.
 
     Collective over the pipeline group. ``tensor`` is ignored (may be None) off the last stage.
     """
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_pipeline_model_parallel_group()
-    src = parallel_state.get_pipeline_model_parallel_last_rank()
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    group, src = model_parallel.pp_group, model_parallel.pp_last_rank
+    if model_parallel.is_last_stage:
         assert tensor is not None and tuple(tensor.shape) == tuple(shape), (tensor, shape)
         buffer = tensor.to(device=device, dtype=dtype).contiguous()
     else:

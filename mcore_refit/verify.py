@@ -73,9 +73,9 @@ def verify_layout(model_config: ModelConfig, parallel: ParallelConfig, *, device
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    distributed.init_model_parallel(parallel, seed=seed)
+    model_parallel = distributed.init_model_parallel(parallel, seed=seed)
     try:
-        model = build_model(model_config, parallel, device=device, wrap_with_ddp=True,
+        model = build_model(model_config, model_parallel, device=device, wrap_with_ddp=True,
                             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
         micro_batches = fixed_batch(
             vocab_size=model.shape.vocab_size, num_micro_batches=num_micro_batches,
@@ -183,7 +183,8 @@ def _megatron_losses(model: ModelChunks, micro_batches: list[MicroBatch],
     outputs = forward_backward(model, micro_batches, loss_func=mean_token_loss,
                                forward_only=False)
     local = torch.stack([out["loss"] for out in outputs]) if outputs else None
-    return broadcast_from_last_stage(local, shape=(len(micro_batches),), dtype=torch.float32,
+    return broadcast_from_last_stage(local, model_parallel=model.model_parallel,
+                                     shape=(len(micro_batches),), dtype=torch.float32,
                                      device=device).cpu()
 
 

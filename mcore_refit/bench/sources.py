@@ -82,13 +82,13 @@ def build_sources(job: RefitBenchJob, *, device: torch.device, control: ControlG
 
 def build_megatron(config: MegatronSourceConfig, *, device: torch.device):
     """The Megatron model chunks for ``config`` (its layout's groups included)."""
-    distributed.init_model_parallel(config.parallel, seed=1234)
+    model_parallel = distributed.init_model_parallel(config.parallel, seed=1234)
     hf_path = config.hf_path
     if hf_path is None:
         hf_path = write_preset_config(config.preset, num_layers=config.num_layers)
     model_config = ModelConfig(hf_path=hf_path, dtype=config.dtype, layer_spec=config.layer_spec,
                                load_weights=config.load_weights and config.hf_path is not None)
-    return build_model(model_config, config.parallel, device=device)
+    return build_model(model_config, model_parallel, device=device)
 
 
 def write_preset_config(preset: str, *, num_layers: int | None = None) -> str:

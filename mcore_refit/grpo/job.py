@@ -67,8 +67,8 @@ def build_trainer(config: GRPOJobConfig, device: torch.device) -> tuple[Policy, 
     """Megatron's groups, the policy and the tokenizer's pad token (every trainer rank)."""
     from transformers import AutoTokenizer
 
-    distributed.init_model_parallel(config.parallel, seed=config.run.seed)
-    policy = build_policy(config.model, config.parallel, config.policy, device=device)
+    model_parallel = distributed.init_model_parallel(config.parallel, seed=config.run.seed)
+    policy = build_policy(config.model, model_parallel, config.policy, device=device)
     pad_token_id = AutoTokenizer.from_pretrained(config.model.hf_path).pad_token_id
     return policy, pad_token_id
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mcore_refit.config import ModelConfig, ParallelConfig
+from mcore_refit.config import ModelConfig
 from mcore_refit.control import ControlGroup
+from mcore_refit.distributed import ModelParallel
 from mcore_refit.losses import CrossEntropyLoss, LossFunction, LossOutput, check_loss_inputs
 from mcore_refit.model import ModelChunks, build_model
 from mcore_refit.pipeline import forward_backward
@@ -57,42 +58,10 @@ class TrainMetrics:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Ranks:
-    """Where this rank sits; read once from Megatron's parallel state at construction."""
-
-    dp_rank: int
-    dp_size: int
-    dp_group: dist.ProcessGroup
-    pp_size: int
-    pp_group: dist.ProcessGroup
-    pp_last_rank: int  # global rank of this pipeline's last stage
-    is_last_stage: bool
-    tp_size: int
-
-    @classmethod
-    def current(cls) -> _Ranks:
-        from megatron.core import parallel_state as ps
-
-        return cls(
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            dp_group=ps.get_data_parallel_group(),
-            pp_size=ps.get_pipeline_model_parallel_world_size(),
-            pp_group=ps.get_pipeline_model_parallel_group(),
-            pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
-            is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-        )
-
-
-def build_policy(model_config: ModelConfig, parallel: ParallelConfig, config: PolicyConfig, *,
-                 device: torch.device) -> Policy:
-    """Build the DDP-wrapped chunks, optimizer and scheduler for ``config``.
-
-    Call on every rank after :func:`mcore_refit.distributed.init_model_parallel` with the same
-    ``parallel``.
-    """
+def build_policy(model_config: ModelConfig, model_parallel: ModelParallel, config: PolicyConfig,
+                 *, device: torch.device) -> Policy:
+    """Build the DDP-wrapped chunks, optimizer and scheduler for ``config`` in the layout
+    :func:`mcore_refit.distributed.init_model_parallel` returned. Call on every rank."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
@@ -102,7 +71,7 @@ def build_policy(model_config: ModelConfig, parallel: ParallelConfig, config: Po
     )
     # calculate_per_token_loss is read when DDP wraps the chunks (it decides the gradient
     # pre-scaling), so it must be set on the provider, not on the built model's config.
-    model = build_model(model_config, parallel, device=device, wrap_with_ddp=True,
+    model = build_model(model_config, model_parallel, device=device, wrap_with_ddp=True,
                         ddp_config=ddp_config,
                         provider_overrides={"calculate_per_token_loss": True})
     optimizer = build_optimizer(model, config.optimizer)
@@ -137,7 +106,7 @@ class Policy:
         self.scheduler = scheduler
         self.config = config
         self.device = device
-        self._ranks = _Ranks.current()
+        self._ranks = model.model_parallel
         self._check_vocab()
         self._step = 0
         self._offloader = HostOffloader()

@@ -251,7 +251,7 @@ class ModelExport:
         bridge = self._model.bridge
         tasks = bridge._model_bridge.build_conversion_tasks(bridge.hf_pretrained,
                                                             self._model.unwrapped())
-        groups = _LocalGroups(tp=parallel_state.get_tensor_model_parallel_group(),
+        groups = _LocalGroups(tp=self._model.model_parallel.tp_group,
                               expt_tp=parallel_state.get_expert_tensor_parallel_group())
         for task in tasks:
             if task is not None and task.param_weight is not None:

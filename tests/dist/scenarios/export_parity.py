@@ -57,9 +57,9 @@ def corrupted_weight_is_caught(path, device, parallel: ParallelConfig):
     from mcore_refit.verify import hf_reference_state
     from mcore_refit.verify import compare_export
 
-    distributed.init_model_parallel(parallel, seed=0)
+    model_parallel = distributed.init_model_parallel(parallel, seed=0)
     try:
-        model = build_model(ModelConfig(hf_path=str(path)), parallel, device=device)
+        model = build_model(ModelConfig(hf_path=str(path)), model_parallel, device=device)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             decoder = model.unwrapped()[-1].decoder
             if parallel.tensor == 1:
@@ -88,9 +88,9 @@ def export_reads_current_parameters(path, device):
     from mcore_refit.refit.export import ModelExport
 
     parallel = ParallelConfig(pipeline=2, virtual_pipeline=2)
-    distributed.init_model_parallel(parallel, seed=0)
+    model_parallel = distributed.init_model_parallel(parallel, seed=0)
     try:
-        model = build_model(ModelConfig(hf_path=str(path)), parallel, device=device)
+        model = build_model(ModelConfig(hf_path=str(path)), model_parallel, device=device)
         control = ControlGroup(None, timeout_s=60)
         export = ModelExport(model, control=control, device=device)
         plan = plan_for_source(export, config=PlanConfig(slot_bytes=1 << 20), device=device)

@@ -43,10 +43,10 @@ def run_layout(name: str, *, hf_path: Path, dtype: str, clip_grad: float | None,
     from mcore_refit.policy.worker import build_policy
 
     parallel = layout(name)
-    distributed.init_model_parallel(parallel, seed=1234)
+    model_parallel = distributed.init_model_parallel(parallel, seed=1234)
     try:
         start = time.perf_counter()
-        policy = build_policy(model_config(hf_path, dtype), parallel,
+        policy = build_policy(model_config(hf_path, dtype), model_parallel,
                               policy_config(clip_grad=clip_grad), device=device)
         eval_batch = make_batch(EVAL_SEED, device=device)
         result = {"layout": name, "dtype": dtype, "clip_grad": clip_grad,
@@ -78,9 +78,9 @@ def temperature_logprobs(name: str, *, hf_path: Path, temperature: float,
     from mcore_refit.policy.worker import build_policy
 
     parallel = layout(name)
-    distributed.init_model_parallel(parallel, seed=1234)
+    model_parallel = distributed.init_model_parallel(parallel, seed=1234)
     try:
-        policy = build_policy(model_config(hf_path, "float32"), parallel,
+        policy = build_policy(model_config(hf_path, "float32"), model_parallel,
                               policy_config(clip_grad=None, temperature=temperature),
                               device=device)
         eval_batch = make_batch(EVAL_SEED, device=device)

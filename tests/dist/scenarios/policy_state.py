@@ -46,9 +46,9 @@ def build(case: str, hf_path: Path, device: torch.device):
 
     name, dtype, distopt = CASES[case]
     parallel = layout(name)
-    distributed.init_model_parallel(parallel, seed=1234)
+    model_parallel = distributed.init_model_parallel(parallel, seed=1234)
     config = policy_config(clip_grad=1.0, use_distributed_optimizer=distopt)
-    return build_policy(model_config(hf_path, dtype), parallel, config, device=device)
+    return build_policy(model_config(hf_path, dtype), model_parallel, config, device=device)
 
 
 def train(policy, seeds, device) -> list[dict]:

@@ -138,8 +138,8 @@ def share(results: dict, job, rank: int) -> dict:
 def build(path: Path, parallel: ParallelConfig, device: torch.device):
     from mcore_refit.model import build_model
 
-    distributed.init_model_parallel(parallel, seed=0)
-    return build_model(ModelConfig(hf_path=str(path)), parallel, device=device)
+    model_parallel = distributed.init_model_parallel(parallel, seed=0)
+    return build_model(ModelConfig(hf_path=str(path)), model_parallel, device=device)
 
 
 def reference(model) -> tuple[list[str], torch.Tensor]:
