@@ -201,6 +201,16 @@ class ControlGroup:
         tensor = torch.zeros(count, dtype=torch.int64)
         return PendingWords(self, self.group.recv([tensor], src, tag), tensor, what)
 
+    def any_true(self, flag: bool, *, what: str, timeout_s: float | None = None) -> bool:
+        """Whether ``flag`` is true on any rank of the group (one all-reduce of one word)."""
+        if self.size == 1:
+            return bool(flag)
+        word = torch.tensor([int(bool(flag))], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self._wait(self.group.allreduce([word], options), what, timeout_s)
+        return bool(word.item())
+
     def barrier(self, *, what: str, timeout_s: float | None = None) -> None:
         """Wait until every rank of the group reached this call (a host wait)."""
         self.all_gather_bytes(b"", what=what, timeout_s=timeout_s)

@@ -79,6 +79,24 @@ def resolve_layer_spec(requested: str, parallel: ParallelConfig) -> str:
     return resolved
 
 
+class ParameterSnapshot:
+    """Which ``Parameter`` object every module of ``chunks`` held when taken.
+
+    :meth:`replaced` looks at the same module slots again instead of walking the module tree, so
+    it costs microseconds per refit. It sees a slot given a new ``Parameter`` (``module.weight =
+    nn.Parameter(...)``, ``load_state_dict(assign=True)``); a whole submodule swapped for another
+    is not seen (build the refit source again after such surgery).
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+        self._slots = [(module._parameters, name, param)
+                       for chunk in chunks for module in chunk.modules()
+                       for name, param in module._parameters.items() if param is not None]
+
+    def replaced(self) -> bool:
+        return any(table.get(name) is not param for table, name, param in self._slots)
+
+
 @dataclass(eq=False)
 class ModelChunks:
     """The model chunks this rank holds (one per virtual pipeline stage) and their bridge.
@@ -94,7 +112,7 @@ class ModelChunks:
     shape: ModelShape
     layer_spec: str
     _conversion_tasks: list | None = field(default=None, repr=False)
-    _task_param_ids: tuple[int, ...] = field(default=(), repr=False)
+    _task_params: ParameterSnapshot | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[torch.nn.Module]:
         return iter(self.chunks)
@@ -135,8 +153,7 @@ class ModelChunks:
     def parameters_replaced(self) -> bool:
         """Whether this rank replaced a parameter object since the conversion tasks were built
         (local: the caller agrees on it with the other ranks before exporting)."""
-        return self._conversion_tasks is not None and \
-            tuple(id(p) for p in self.parameters()) != self._task_param_ids
+        return self._task_params is not None and self._task_params.replaced()
 
     def conversion_tasks(self, *, rebuild: bool = False) -> list:
         """Bridge conversion tasks (Megatron → HF), built once and reused.
@@ -155,7 +172,7 @@ class ModelChunks:
             self._conversion_tasks = model_bridge.build_conversion_tasks(
                 self.bridge.hf_pretrained, self.unwrapped()
             )
-            self._task_param_ids = tuple(id(p) for p in self.parameters())
+            self._task_params = ParameterSnapshot(self.chunks)
         return self._conversion_tasks
 
     def export_hf_weights(self, *, rebuild: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -79,6 +79,17 @@ def main() -> None:
         "barrier_us": median_us(timed(lambda: control.barrier(what="probe"), synchronize)),
     }
     print(json.dumps(results), flush=True)
+    if os.environ.get("PROFILE") and rank == 0:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [export_pass(source, plan, rank=rank, timeout_s=60)
+                                 for _ in range(REPETITIONS)])
+        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+    else:
+        for _ in range(REPETITIONS):
+            export_pass(source, plan, rank=rank, timeout_s=60)
     dist.barrier(group=context.control_group)
     distributed.shutdown()
 

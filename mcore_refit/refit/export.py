@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from mcore_refit import compat
 from mcore_refit.control import ControlGroup
+from mcore_refit.model import ParameterSnapshot
 from mcore_refit.refit.plan import (
     PlannedBuffer,
     RefitPlan,
@@ -168,7 +169,7 @@ class ModelExport:
         self._prefer = frozenset(prefer)
         self.rank = control.rank
         self._logged: set[str] = set()
-        self._param_ids = self._parameter_ids()
+        self._params = ParameterSnapshot(model.chunks)
         self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
         self._layout: ExportLayout | None = None
         # Per compiled task: its parameter's data address and the views made of it.
@@ -206,10 +207,9 @@ class ModelExport:
         """
         if self._guard is not None:
             self._guard()
-        current = self._parameter_ids()
-        if any(self._control.all_gather_json(current != self._param_ids,
-                                             what="whether a trainer rank replaced a parameter")):
-            self._rebuild(current)
+        if self._control.any_true(self._params.replaced(),
+                                  what="whether a trainer rank replaced a parameter"):
+            self._rebuild()
         return ExportPass(self, plan)
 
     def compiled_views(self, task: ExportTask) -> list[tuple[str, torch.Tensor | Piecewise]]:
@@ -227,12 +227,9 @@ class ModelExport:
             cached = self._views[task.key] = (address, views)
         return cached[1]
 
-    def _parameter_ids(self) -> tuple[int, ...]:
-        return tuple(id(p) for p in self._model.parameters())
-
-    def _rebuild(self, param_ids: tuple[int, ...]) -> None:
+    def _rebuild(self) -> None:
         before = self.assignment()
-        self._param_ids = param_ids
+        self._params = ParameterSnapshot(self._model.chunks)
         self._views.clear()
         self._model.conversion_tasks(rebuild=True)  # the fallback tensors' full export
         self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
@@ -550,8 +547,8 @@ class BridgeExport:
     def begin(self, plan: RefitPlan) -> _BridgePass:
         """One export pass (collective over the trainer ranks); Bridge's conversion tasks are
         built again when any rank replaced a parameter object."""
-        replaced = any(self._control.all_gather_json(
-            self._model.parameters_replaced(), what="whether a trainer rank replaced a parameter"))
+        replaced = self._control.any_true(self._model.parameters_replaced(),
+                                          what="whether a trainer rank replaced a parameter")
         return _BridgePass(self._model.export_hf_weights(rebuild=replaced), rank=self._rank)
 
 

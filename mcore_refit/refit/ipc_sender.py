@@ -1,15 +1,19 @@
 """Colocated transport, trainer end: buffers shared with the engine process through CUDA IPC.
 
-The trainer binds a ZMQ REQ socket at ``ipc://<private dir>/<GPU UUID>.sock``; the engine process
-connects a REP socket (:mod:`.ipc_receiver`). Messages (:mod:`.wire`; every request gets exactly
-one reply):
+The trainer binds a ZMQ DEALER socket at ``ipc://<private dir>/<GPU UUID>.sock``; the engine
+process connects a REP socket (:mod:`.ipc_receiver`), which answers requests one at a time, in
+order. Every request carries an id that its reply echoes (the REP envelope), so the trainer may
+have several requests outstanding and drops replies to requests it gave up on. Messages
+(:mod:`.wire`; every request gets exactly one reply):
 
 - :class:`~.wire.Hello` (plan, slot handles) → ``Ready``: once per engine connection; the engine
   maps the slots once and reuses them for every refit;
 - :class:`~.wire.Start` (refit index, plan fingerprint, switches) → ``Started``;
 - :class:`~.wire.BufferReady` → :class:`~.wire.Ack`: the engine checks the in-slot header (and
   checksum), loads views into the slot, synchronises, then ACKs; only then may the trainer refill
-  that slot. A failed load's ACK carries the traceback, which raises on the trainer;
+  that slot. The trainer announces each buffer as soon as it is in its slot, without waiting for
+  the previous buffer's ACK, so the engine finds the next message queued when it finishes a
+  load. A failed load's ACK carries the traceback, which raises on the trainer;
 - :class:`~.wire.Complete` (optional digests) → :class:`~.wire.Summary`: every planned tensor
   loaded exactly once, digests equal.
 
@@ -24,7 +28,9 @@ the slots are shared-memory files, so the same protocol runs in tests without a 
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,12 +111,9 @@ class IpcSender(RefitSender):
         claim_socket_path(self._socket_path)
         self.address = address_of(self._socket_path)
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.REQ)
-        # RELAXED: a new request may follow a timed-out one; CORRELATE: late replies to the
-        # timed-out request are dropped instead of being taken for the next reply.
-        self._socket.setsockopt(zmq.REQ_RELAXED, 1)
-        self._socket.setsockopt(zmq.REQ_CORRELATE, 1)
+        self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._request_ids = itertools.count()
         self._socket.bind(self.address)
         self._slot_files: list[Path] = []
         self._slots: BufferSlots | None = None
@@ -175,34 +178,31 @@ class IpcSender(RefitSender):
         except RefitError as error:
             engine_failure = error
         source_failure: str | None = None  # a buffer arrived aborted: the engine gets no more
-        in_flight: PlannedBuffer | None = None  # sent to the engine, ACK not yet received
+        # Announced to the engine, ACK not yet received (oldest first; ACKs come in order).
+        unacked: deque[tuple[PlannedBuffer, bytes]] = deque()
         first_send = None
         for buffer in plan.buffers:
-            if (in_flight is not None and engine_failure is None
-                    and in_flight.receiver_slot == buffer.receiver_slot):
-                engine_failure = self._await_ack(in_flight, refit_index, telemetry)
-                in_flight = None
+            # The engine may still be reading the buffer that last used this slot.
+            while (engine_failure is None and unacked
+                   and any(b.receiver_slot == buffer.receiver_slot for b, _ in unacked)):
+                engine_failure = self._await_ack(*unacked.popleft(), refit_index, telemetry)
             aborted = self._fill(buffer, producer, refit_index=refit_index)
             if aborted and source_failure is None:
                 source_failure = (f"trainer rank {buffer.source} aborted buffer {buffer.index} "
                                   "(its export failed)")
             if engine_failure is not None or source_failure is not None:
                 continue
-            if in_flight is not None:
-                engine_failure = self._await_ack(in_flight, refit_index, telemetry)
-                in_flight = None
-                if engine_failure is not None:
-                    continue
             first_send = first_send if first_send is not None else time.perf_counter()
             try:
-                self._send(BufferReady(refit_index=refit_index, buffer_index=buffer.index),
-                           what=f"buffer {buffer.index}/{plan.num_buffers} of refit "
-                                f"{refit_index}")
-                in_flight = buffer
+                request = self._send(BufferReady(refit_index=refit_index,
+                                                 buffer_index=buffer.index),
+                                     what=f"buffer {buffer.index}/{plan.num_buffers} of refit "
+                                          f"{refit_index}")
+                unacked.append((buffer, request))
             except RefitError as error:
                 engine_failure = error
-        if in_flight is not None and engine_failure is None:
-            engine_failure = self._await_ack(in_flight, refit_index, telemetry)
+        while engine_failure is None and unacked:
+            engine_failure = self._await_ack(*unacked.popleft(), refit_index, telemetry)
         failure = producer.finish() or source_failure
         if first_send is not None:
             telemetry.transfer_s = time.perf_counter() - first_send
@@ -286,15 +286,17 @@ class IpcSender(RefitSender):
         if isinstance(reply, Error):
             raise RefitError(f"the engine refused refit {refit_index}: {reply.message}")
 
-    def _await_ack(self, buffer: PlannedBuffer, refit_index: int,
+    def _await_ack(self, buffer: PlannedBuffer, request: bytes, refit_index: int,
                    telemetry: RefitTelemetry) -> RefitError | None:
-        """The engine's ACK of ``buffer``; the error it reports (or the wait's), else None."""
+        """The engine's ACK of ``buffer`` (announced as ``request``); the error it reports (or
+        the wait's), else None. After an error the engine reads no more of this refit's
+        announcements; their replies, if any, are dropped as stale."""
         waited = time.perf_counter()
         names = self.plan.buffer_names(buffer.index)
         what = (f"the engine's ACK of buffer {buffer.index}/{self.plan.num_buffers} of refit "
                 f"{refit_index}")
         try:
-            reply = self._receive(Ack, timeout_s=self._options.timeout_s, what=what)
+            reply = self._receive(Ack, request, timeout_s=self._options.timeout_s, what=what)
         except RefitError as error:
             return error
         finally:
@@ -326,27 +328,38 @@ class IpcSender(RefitSender):
 
     def _request(self, message: Message, expect: type[Message], *, timeout_s: float, what: str,
                  refusal: bool = False) -> Message:
-        self._send(message, what=message.KIND)
-        return self._receive(expect, timeout_s=timeout_s, what=what, refusal=refusal)
+        request = self._send(message, what=message.KIND)
+        return self._receive(expect, request, timeout_s=timeout_s, what=what, refusal=refusal)
 
-    def _send(self, message: Message, *, what: str) -> None:
+    def _send(self, message: Message, *, what: str) -> bytes:
+        """Send ``message`` as a new request; its id, which the reply echoes."""
         timeout_s = (self._options.start_timeout_s if isinstance(message, Hello)
                      else self._options.timeout_s)
         if not self._poll(zmq.POLLOUT, timeout_s=timeout_s, what=f"the engine to take {what}"):
             self._engine_ready = False
             raise RefitTimeout(f"timed out after {timeout_s:g} s waiting to send {what} to the "
                                f"engine at {self.address}: no engine process is connected")
-        self._socket.send_multipart(encode(message), copy=False)
+        request = next(self._request_ids).to_bytes(8, "little")
+        # [id, empty delimiter, message]: the REP socket's envelope, echoed in the reply.
+        self._socket.send_multipart([request, b"", *encode(message)], copy=False)
+        return request
 
-    def _receive(self, expect: type[Message], *, timeout_s: float, what: str,
+    def _receive(self, expect: type[Message], request: bytes, *, timeout_s: float, what: str,
                  refusal: bool = False) -> Message:
-        """The engine's reply: of type ``expect``, or an :class:`Error` when ``refusal``."""
-        if not self._poll(zmq.POLLIN, timeout_s=timeout_s, what=what):
-            self._engine_ready = False
-            raise RefitTimeout(f"timed out after {timeout_s:g} s waiting for {what} at "
-                               f"{self.address}; is the engine process alive?")
+        """The engine's reply to ``request``: of type ``expect``, or an :class:`Error` when
+        ``refusal``. Replies to earlier requests (ones given up on) are dropped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self._poll(zmq.POLLIN, timeout_s=max(0.0, deadline - time.monotonic()),
+                              what=what):
+                self._engine_ready = False
+                raise RefitTimeout(f"timed out after {timeout_s:g} s waiting for {what} at "
+                                   f"{self.address}; is the engine process alive?")
+            frames = self._socket.recv_multipart()
+            if len(frames) >= 2 and frames[0] == request and frames[1] == b"":
+                break
         try:
-            reply = decode(self._socket.recv_multipart())
+            reply = decode(frames[2:])
         except WireError as error:
             self._engine_ready = False
             raise RefitError(f"invalid reply while waiting for {what}: {error}") from None

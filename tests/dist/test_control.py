@@ -19,9 +19,11 @@ def _round_trips(rank: int) -> dict:
     if rank == 0:
         control.send_json([1.5, None, "ok"], dst=2, what="a point-to-point message")
     point = control.recv_json(src=0, what="a point-to-point message") if rank == 2 else None
+    only_rank_2 = control.any_true(rank == 2, what="a flag on rank 2")
+    nowhere = control.any_true(False, what="a flag nowhere")
     control.barrier(what="the end")
     return {"received": received, "gathered": gathered, "empty": empty.decode(),
-            "point": point}
+            "point": point, "any": [only_rank_2, nowhere]}
 
 
 def test_json_and_bytes_reach_every_rank(tmp_path):
@@ -31,6 +33,7 @@ def test_json_and_bytes_reach_every_rank(tmp_path):
         assert result["gathered"] == [{"rank": r, "text": "x" * (10 ** r)} for r in range(3)]
         assert result["empty"] == ""
         assert result["point"] == ([1.5, None, "ok"] if rank == 2 else None)
+        assert result["any"] == [True, False]
 
 
 def _failing_step(rank: int) -> None:

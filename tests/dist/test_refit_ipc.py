@@ -225,6 +225,26 @@ def test_colocated_unknown_name_and_mid_refit_raise(ipc_dir, tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_a_refit_after_an_engine_failure_is_bitwise(ipc_dir, tmp_path):
+    """The engine fails on the first buffer while the trainer has already announced the next
+    ones; their late replies must not be taken for the next refit's."""
+    config = _options(ipc_dir)
+    trainer = Trainer(config, device_id="cpu-after-failure", num_slots=3)
+    engine = start_engine(trainer.address, config, tmp_path / "engine.json", num_refits=2,
+                          script={0: ("raise", 1)})
+    try:
+        with pytest.raises(RefitError, match="the engine failed on buffer 0 of refit 0"):
+            trainer.refit()
+        telemetry = trainer.refit(verify=True)
+    finally:
+        trainer.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    assert telemetry.verified is True
+    assert [o["ok"] for o in outcomes] == [False, True]
+    assert outcomes[1]["bitwise"] is True and outcomes[1]["refit_index"] == 1
+
+
+@pytest.mark.timeout(90)
 def test_colocated_source_drift_aborts_both_sides(ipc_dir, tmp_path):
     config = _options(ipc_dir)
     trainer = Trainer(config, device_id="cpu-drift")
