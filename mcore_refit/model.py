@@ -96,6 +96,11 @@ class ParameterSnapshot:
     def replaced(self) -> bool:
         return any(table.get(name) is not param for table, name, param in self._slots)
 
+    def replacements(self) -> dict[int, torch.nn.Parameter]:
+        """``id(old parameter) → the parameter now in its slot``, for every replaced one."""
+        return {id(param): table[name] for table, name, param in self._slots
+                if table.get(name) is not param and table.get(name) is not None}
+
 
 @dataclass(eq=False)
 class ModelChunks:

@@ -21,7 +21,7 @@ from mcore_refit.bench.results import ModeResult, transport_result
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.control import ControlGroup, Outcome
 from mcore_refit.inference.process import EngineProcess
-from mcore_refit.refit import IpcSender, Refitter, TensorDictEngine, plan_for_source
+from mcore_refit.refit import Refitter, TensorDictEngine, colocated_sender, plan_for_source
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.plan import plan_from_json
 from mcore_refit.refit.receiver import IpcInitInfo, WeightTransferEndpoint
@@ -99,11 +99,14 @@ def _refit(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResul
     source = bench.sources.for_mode(mode)
     plan = plan_for_source(source, config=bench.plan_config(mode), device=bench.device)
     several = trainers.size > 1
-    sender = IpcSender(plan=plan, device=bench.device, options=job.refit.transport,
-                       cpu_device_id=bench.cpu_device_id,
-                       trainers=dist.group.WORLD if several else None,
-                       control=trainers if several else None, rank=trainers.rank,
-                       peer_alive=engine.alive_problem)
+    options = job.refit.transport
+    if mode == "shared_weights":
+        options = dataclasses.replace(options, ipc_sharing="weights")
+    sender = colocated_sender(plan=plan, device=bench.device, options=options,
+                              cpu_device_id=bench.cpu_device_id,
+                              trainers=dist.group.WORLD if several else None,
+                              control=trainers if several else None, rank=trainers.rank,
+                              peer_alive=engine.alive_problem)
     timed, verified, error = [], None, None
     with Refitter(source=source, sender=sender) as refitter:
         engine.submit("receive", address=sender.address, num_refits=bench.num_refits(),
@@ -145,6 +148,7 @@ MODES: dict[str, Callable[[ColocatedBench, str, EngineProcess], ModeResult]] = {
     "bridge_export": _refit,
     "export_alone": _export,
     "bridge_export_alone": _export,
+    "shared_weights": _refit,
 }
 
 

@@ -13,12 +13,14 @@ from mcore_refit.config import ConfigError, Dtype, LayerSpec, ParallelConfig
 from mcore_refit.refit.config import RefitConfig
 
 Mode = Literal["raw_link", "naive", "single_buffer", "engine", "export_alone", "transport_alone",
-               "bridge_export", "bridge_export_alone"]
+               "bridge_export", "bridge_export_alone", "shared_weights"]
 SourceName = Literal["dense_8b", "moe_30b_a3b", "tiny", "megatron"]
 Preset = Literal["llama3_8b", "qwen3_30b_a3b", "tiny_llama"]
 
 # Modes that need the Megatron source (they measure Megatron-Bridge's own export).
 BRIDGE_MODES = ("bridge_export", "bridge_export_alone")
+# Modes only the colocated placement has (the engine reads the trainer's tensors in place).
+COLOCATED_MODES = ("shared_weights",)
 # Modes a launch without inference ranks (bench.trainer_only) can run.
 EXPORT_MODES = ("export_alone", "bridge_export_alone")
 
@@ -130,6 +132,12 @@ class RefitBenchJob:
     bench: BenchConfig = field(default_factory=BenchConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
     megatron: MegatronSourceConfig = field(default_factory=MegatronSourceConfig)
+
+    def __post_init__(self) -> None:
+        colocated_only = [m for m in self.bench.modes if m in COLOCATED_MODES]
+        if colocated_only and self.refit.mode != "colocated":
+            raise ConfigError(f"`bench.modes` {', '.join(colocated_only)} needs "
+                              f"refit.mode=colocated, got {self.refit.mode}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -97,6 +97,11 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
             needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
                       else targets.copy_fraction_dense)
         checks["transport_vs_link"] = _at_least(engine.gbps / link_gbps, needed)
+    shared = by_mode.get("shared_weights")
+    if shared is not None and link_gbps and source != "megatron":
+        needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
+                  else targets.copy_fraction_dense)
+        checks["shared_weights_vs_link"] = _at_least(shared.gbps / link_gbps, needed)
     transport = by_mode.get("transport_alone")
     if engine is not None and transport is not None:
         checks["refit_vs_transport_alone"] = {

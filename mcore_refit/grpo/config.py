@@ -124,6 +124,15 @@ class GRPOJobConfig:
                               f"`model.dtype`={self.model.dtype}; refits copy tensors as exported")
         if self.grpo.kl_coef > 0 and not self.policy.reference_model:
             raise ConfigError("`grpo.kl_coef` > 0 needs `policy.reference_model`: true")
+        if self.refit.transport.ipc_sharing == "weights":
+            if self.refit.mode != "colocated":
+                raise ConfigError("`refit.transport.ipc_sharing`=weights is for "
+                                  "`refit.mode`=colocated")
+            if self.inference.offload_trainer:
+                raise ConfigError(
+                    "`refit.transport.ipc_sharing`=weights keeps the trainer's weights mapped "
+                    "by the engine, so `inference.offload_trainer`=true would free no memory; "
+                    "use ipc_sharing=buffers with offloading")
 
     @property
     def collective_timeout_s(self) -> float:

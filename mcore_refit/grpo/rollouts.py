@@ -48,9 +48,9 @@ from mcore_refit.inference.process import (
 from mcore_refit.refit import (
     BroadcastInitInfo,
     BroadcastSender,
-    IpcSender,
     Refitter,
     WeightTransferEndpoint,
+    colocated_sender,
     plan_for_source,
 )
 from mcore_refit.refit.plan import RefitPlan
@@ -100,11 +100,12 @@ class ColocatedRollouts:
         # socket needs a per-rank identity.
         cpu_device_id = f"{job_id}-rank{context.rank}" if context.device.type == "cpu" else None
         several = context.world_size > 1
-        sender = IpcSender(plan=plan, device=context.device, options=self._config.refit.transport,
-                           cpu_device_id=cpu_device_id,
-                           trainers=dist.group.WORLD if several else None,
-                           control=self._trainers if several else None, rank=context.rank,
-                           peer_alive=self.engine.alive_problem)
+        sender = colocated_sender(plan=plan, device=context.device,
+                                  options=self._config.refit.transport,
+                                  cpu_device_id=cpu_device_id,
+                                  trainers=dist.group.WORLD if several else None,
+                                  control=self._trainers if several else None, rank=context.rank,
+                                  peer_alive=self.engine.alive_problem)
         self.refitter = Refitter(source=source, sender=sender)
         # The engine connects while the trainer prepares: send first, collect the reply after.
         self.engine.submit("init_weight_transfer_engine",

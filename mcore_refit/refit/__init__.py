@@ -27,6 +27,7 @@ from mcore_refit.refit.config import PlanConfig, RefitConfig, TransportOptions
 from mcore_refit.refit.engines import HFModelEngine, NamedTensorEngine, TensorDictEngine
 from mcore_refit.refit.ipc_receiver import IpcReceiver
 from mcore_refit.refit.ipc_sender import IpcSender
+from mcore_refit.refit.ipc_shared import SharedWeightsSender, colocated_sender
 from mcore_refit.refit.plan import RefitPlan, TensorSpec, build_plan, plan_from_json
 from mcore_refit.refit.receiver import (
     BroadcastInitInfo,
@@ -47,6 +48,8 @@ __all__ = [
     "IpcInitInfo",
     "IpcReceiver",
     "IpcSender",
+    "SharedWeightsSender",
+    "colocated_sender",
     "LocalSource",
     "NamedTensorEngine",
     "PlanConfig",

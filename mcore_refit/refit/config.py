@@ -26,6 +26,7 @@ from mcore_refit.config import ConfigError
 
 DEFAULT_SLOT_BYTES = 1 << 30
 RefitMode = Literal["colocated", "non_colocated"]
+IpcSharing = Literal["buffers", "weights"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +87,10 @@ class TransportOptions:
     # Parent directory of the private (mode 0700) directory holding the colocated socket and, on
     # CPU, the shared-memory files; null means /dev/shm when present, else the temp directory.
     ipc_dir: str | None = None
+    # Colocated: what the engine maps. buffers = slots the trainer packs the weights into;
+    # weights = the trainer's own tensors, read in place (one copy, no slots; needs one trainer
+    # rank per engine and a source of resident tensors, see mcore_refit/refit/ipc_shared.py).
+    ipc_sharing: IpcSharing = "buffers"
     # Record peak device memory per refit (resets the device's peak-memory counter each refit).
     track_peak_memory: bool = True
     # While waiting on a peer process (an engine's reply), check this often that it still lives:

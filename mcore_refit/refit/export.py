@@ -28,8 +28,9 @@ A sharded task whose conversion is not row moves (its probe fails) uses Bridge's
 its tensors, in step on every trainer rank; each such mapping type is logged once.
 
 Building the layout (:meth:`ModelExport.layout`) is collective over the trainer ranks; so is each
-:meth:`ModelExport.begin` and every :meth:`ExportPass.exchange`: call them on every trainer rank,
-in the same order.
+:meth:`ModelExport.begin` and every :meth:`ExportPass.exchange` (they read Bridge's full export in
+step where there are fallback tensors, and nothing else): call them on every trainer rank, in the
+same order. A pass without fallback tensors waits for no other rank.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ class ModelExport:
         self.rank = control.rank
         self._logged: set[str] = set()
         self._params = ParameterSnapshot(model.chunks)
+        self._fallback_tasks: list = []  # Bridge's tasks for the fallback tensors
         self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
         self._layout: ExportLayout | None = None
         # Per compiled task: its parameter's data address and the views made of it.
@@ -198,18 +200,18 @@ class ModelExport:
         return self._layout
 
     def begin(self, plan: RefitPlan) -> ExportPass:
-        """One refit's pass over the weights. Collective over the trainer ranks.
+        """One refit's pass over the weights (see the module docstring for who takes part).
 
-        Compiled tensors are views of the ``Parameter`` objects seen at construction, which
-        follow in-place updates and ``.data`` moves. If any rank replaced a parameter object
-        since, every rank describes its tasks again; a layout that changed with it is an error
-        (the plan no longer matches the model).
+        Compiled tensors are views of the ``Parameter`` objects, which follow in-place updates
+        and ``.data`` moves. A parameter object replaced since the last pass is followed by this
+        rank alone: its tasks read the new object from now on. A replacement of another shape or
+        dtype raises (the plan no longer matches the model).
         """
         if self._guard is not None:
             self._guard()
-        if self._control.any_true(self._params.replaced(),
-                                  what="whether a trainer rank replaced a parameter"):
-            self._rebuild()
+        replacements = self._params.replacements()
+        if replacements:
+            self._follow(replacements)
         return ExportPass(self, plan)
 
     def compiled_views(self, task: ExportTask) -> list[tuple[str, torch.Tensor | Piecewise]]:
@@ -227,17 +229,13 @@ class ModelExport:
             cached = self._views[task.key] = (address, views)
         return cached[1]
 
-    def _rebuild(self) -> None:
-        before = self.assignment()
+    def _follow(self, replacements: dict[int, torch.nn.Parameter]) -> None:
+        """Point this rank's tasks at the parameter objects that replaced theirs."""
+        for key, local in self._local.items():
+            local.task = _followed(key, local.task, replacements)
+        self._fallback_tasks = [_followed(t.global_param_name, t, replacements)
+                                for t in self._fallback_tasks]
         self._params = ParameterSnapshot(self._model.chunks)
-        self._views.clear()
-        self._model.conversion_tasks(rebuild=True)  # the fallback tensors' full export
-        self._local = {key: self._describe(task) for key, task in self._conversion_tasks()}
-        self._layout = None
-        after = self.assignment()
-        if (after.specs, after.sources) != (before.specs, before.sources):
-            raise RuntimeError("replacing the model's parameters changed what the trainer ranks "
-                               "export (shapes, dtypes or owners); build a new plan and refitter")
 
     # --- dry runs -------------------------------------------------------------------------
 
@@ -330,11 +328,12 @@ class ModelExport:
         return [TensorSpec.of(name, tensor) for name, tensor in self._fallback_stream(keys)]
 
     def _fallback_stream(self, keys: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        tasks = [t for t in self._model.conversion_tasks()
-                 if t is not None and t.global_param_name in keys]
+        if {t.global_param_name for t in self._fallback_tasks} != keys:
+            self._fallback_tasks = [t for t in self._model.conversion_tasks()
+                                    if t is not None and t.global_param_name in keys]
         return self._model.bridge.export_hf_weights(
-            self._model.chunks, cpu=False, show_progress=False, conversion_tasks=tasks,
-            merge_adapter_weights=False)
+            self._model.chunks, cpu=False, show_progress=False,
+            conversion_tasks=self._fallback_tasks, merge_adapter_weights=False)
 
 
 class ExportPass:
@@ -499,6 +498,20 @@ def _assign(reports: list[list[dict]], *, fallback: list[TensorSpec], fallback_k
             tasks.append(ExportTask(key=key, kind=report["kind"], source=rank, outputs=outputs))
         claimed |= names
     return ExportLayout(tasks=tuple(tasks), fallback_keys=frozenset(fallback_keys))
+
+
+def _followed(key: str, task, replacements: dict[int, torch.nn.Parameter]):
+    """``task`` reading the parameter that replaced its own, if one did."""
+    old = task.param_weight
+    new = replacements.get(id(old)) if old is not None else None
+    if new is None:
+        return task
+    if new.shape != old.shape or new.dtype != old.dtype:
+        raise RuntimeError(
+            f"{key}: the parameter was replaced by one of shape {tuple(new.shape)} and dtype "
+            f"{new.dtype}; the refit plan has {tuple(old.shape)} and {old.dtype}: build a new "
+            "plan and refitter for the changed model")
+    return dataclasses.replace(task, param_weight=new)
 
 
 def _fallback_counts(layout: ExportLayout, plan: RefitPlan) -> dict[int, int]:

@@ -25,7 +25,8 @@ import torch
 from mcore_refit.refit.wire import SlotHandle
 
 _KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}$")
-_SLOT_FILE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}\.slot[0-9]{1,3}$")
+# Slots (``<key>.slot<N>``) and, for tensors shared in place, ``<name>.weights<N>``.
+_SLOT_FILE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}\.(slot|weights)[0-9]{1,5}$")
 
 
 def private_runtime_dir(parent: str | None) -> Path:
@@ -147,6 +148,23 @@ def describe_slot(slot: torch.Tensor, *, cpu_file: Path | None,
             has_event_handle=event_handle is not None), blobs
     assert cpu_file is not None
     return SlotHandle(kind="shm", nbytes=slot.numel(), file=cpu_file.name), []
+
+
+def describe_storage(tensor: torch.Tensor, *, directory: Path,
+                     first_blob: int = 0) -> tuple[SlotHandle, list[bytes]]:
+    """How another process maps the whole storage under ``tensor`` (as :func:`describe_slot`
+    does a slot). On CPU the storage must be a shared-memory file in ``directory``."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type == "cuda":
+        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            storage, 0, (storage.nbytes(),), (1,))
+        return describe_slot(flat, cpu_file=None, first_blob=first_blob)
+    filename = getattr(storage, "filename", None)
+    if filename is None or Path(filename).parent != directory:
+        raise ValueError(f"a CPU tensor is shared with the engine only from a shared-memory "
+                         f"file in {directory}; this one lives in "
+                         f"{'private memory' if filename is None else filename}")
+    return SlotHandle(kind="shm", nbytes=storage.nbytes(), file=Path(filename).name), []
 
 
 def open_slot(handle: SlotHandle, blobs: Sequence[bytes], *, device: torch.device,

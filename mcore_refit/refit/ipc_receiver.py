@@ -1,4 +1,5 @@
-"""Colocated transport, engine end: serves the trainer's messages (see :mod:`.ipc_sender`).
+"""Colocated transport, engine end: serves the trainer's messages (see :mod:`.ipc_sender`, and
+:mod:`.ipc_shared` for a trainer that shares its own tensors instead of slots).
 
 The engine process connects a ZMQ REP socket to the trainer's address, maps the trainer's slots
 once (at the trainer's hello), and per refit: checks the start against its plan, loads every
@@ -38,9 +39,12 @@ from mcore_refit.refit.wire import (
     Hello,
     Message,
     Ready,
+    SharedTensor,
+    ShareWeights,
     Start,
     Started,
     Summary,
+    WeightsReady,
     WireError,
     decode,
     encode,
@@ -84,6 +88,11 @@ class IpcReceiver(RefitReceiver):
         self._own_plan = plan
         self._plan: RefitPlan | None = plan
         self._slots: BufferSlots | None = None
+        # The trainer shares its tensors instead of slots: True after such a hello; then the
+        # mapped tensors (in plan order) and the trainer's key for them, once shared.
+        self._shares_weights = False
+        self._shared: list[tuple] | None = None
+        self._shared_key: str | None = None
         self._context: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
         self._memory = DeviceMemoryProbe(device, track_peak=options.track_peak_memory)
@@ -130,6 +139,16 @@ class IpcReceiver(RefitReceiver):
                 self._reply(reply)
                 if isinstance(reply, Error) and not reply.need_hello:
                     raise RefitError(f"cannot start the trainer's refit: {reply.message}")
+            elif isinstance(message, ShareWeights):
+                reply = self._on_share(message)
+                self._reply(reply)
+                if isinstance(reply, Error):
+                    raise RefitError(f"cannot map the trainer's weights: {reply.message}")
+            elif isinstance(message, WeightsReady) and state is not None:
+                self._reply(self._on_weights_ready(message, state, engine))
+                if state.failure is not None:
+                    raise RefitError(f"refit {state.refit_index} failed on the engine: "
+                                     f"{state.failure}")
             elif isinstance(message, BufferReady) and state is not None:
                 self._reply(self._on_buffer(message, state, engine))
                 if state.failure is not None:
@@ -155,9 +174,7 @@ class IpcReceiver(RefitReceiver):
             self._socket.close(linger=0)
             self._context.term()
             self._socket = None
-        if self._slots is not None:
-            self._slots.close()
-            self._slots = None
+        self._release()
 
     # --- handlers -------------------------------------------------------------------------
 
@@ -169,22 +186,79 @@ class IpcReceiver(RefitReceiver):
             if self._streams.is_cuda and message.device_key != gpu_uuid(self._streams.device):
                 return Error(message=f"the trainer's buffers are on {message.device_key} but "
                                      f"this engine is on {gpu_uuid(self._streams.device)}")
-            if len(message.slots) != plan.num_held_slots:
+            expected = 0 if message.shares_weights else plan.num_held_slots
+            if len(message.slots) != expected:
                 return Error(message=f"hello describes {len(message.slots)} slots, plan needs "
-                                     f"{plan.num_held_slots}")
+                                     f"{expected}")
             slots = [open_slot(handle, message.blobs, device=self._streams.device,
                                directory=self._socket_path.parent) for handle in message.slots]
-            if self._slots is not None:
-                self._slots.close()
-            self._slots = BufferSlots(plan=plan, slots=slots, receiver=True)
+            self._release()
+            if not message.shares_weights:
+                self._slots = BufferSlots(plan=plan, slots=slots, receiver=True)
+            self._shares_weights = message.shares_weights
             self._plan = plan
         except (WireError, ValueError, RuntimeError, OSError) as error:
-            self._slots = None
+            self._release()
             return Error(message=f"cannot map the trainer's buffers: {error}")
         return Ready(fingerprint=plan.fingerprint)
 
+    def _on_share(self, message: ShareWeights) -> Message:
+        """Map the trainer's storages and a view of every planned tensor in them."""
+        if not self._shares_weights:
+            return Error(message="the trainer shares weights without a hello saying so",
+                         need_hello=True)
+        plan = self._plan
+        self._shared, self._shared_key = None, None
+        try:
+            if len(message.tensors) != plan.num_tensors:
+                raise ValueError(f"{len(message.tensors)} shared tensors, the plan has "
+                                 f"{plan.num_tensors}")
+            storages = [open_slot(handle, message.blobs, device=self._streams.device,
+                                  directory=self._socket_path.parent).untyped_storage()
+                        for handle in message.storages]
+            shared = []
+            for planned, where in zip(plan.tensors, message.tensors, strict=True):
+                if not 0 <= where.storage < len(storages):
+                    raise ValueError(f"{planned.spec.name}: storage {where.storage} of "
+                                     f"{len(storages)}")
+                shared.append((planned.spec, _view(storages[where.storage], where,
+                                                   planned.spec, self._streams.device)))
+        except (WireError, ValueError, RuntimeError, OSError) as error:
+            return Error(message=f"cannot map the trainer's weights: {error}")
+        self._shared, self._shared_key = shared, message.key
+        return Ready(fingerprint=plan.fingerprint)
+
+    def _on_weights_ready(self, message: WeightsReady, state: _RefitState,
+                          engine: WeightLoader) -> Message:
+        """Load every planned tensor straight from the trainer's memory."""
+        try:
+            if message.refit_index != state.refit_index:
+                raise ValueError(f"weights of refit {message.refit_index} during refit "
+                                 f"{state.refit_index}")
+            if self._shared is None:
+                raise ValueError("the trainer announced weights it has not shared")
+            state.first_buffer_at = time.perf_counter()
+            load_into(engine, self._shared)
+            # The trainer may change its weights once it has the reply: finish reading first.
+            self._streams.synchronize(timeout_s=self._options.timeout_s,
+                                      what=f"loading refit {state.refit_index}")
+            state.telemetry.load_s += time.perf_counter() - state.first_buffer_at
+        except Exception:
+            state.failure = f"loading the shared weights: {traceback.format_exc()}"
+            return Ack(buffer_index=0, ok=False, message=state.failure)
+        for position in range(len(state.loaded)):
+            state.loaded[position] = min(state.loaded[position] + 1, 255)
+        return Ack(buffer_index=0, ok=True)
+
+    def _release(self) -> None:
+        """Drop every mapping of the trainer's memory (slots or shared tensors)."""
+        if self._slots is not None:
+            self._slots.close()
+        self._slots = None
+        self._shared, self._shared_key = None, None
+
     def _on_start(self, message: Start) -> tuple[_RefitState | None, Message]:
-        if self._slots is None:
+        if self._slots is None and not self._shares_weights:
             return None, Error(message="this engine has not mapped the trainer's buffers",
                                need_hello=True)
         plan = self._plan
@@ -197,11 +271,12 @@ class IpcReceiver(RefitReceiver):
             role="receiver", transport=self.transport_name, refit_index=message.refit_index,
             device=str(self._streams.device), num_tensors=plan.num_tensors,
             num_buffers=plan.num_buffers, payload_bytes=plan.payload_bytes,
-            held_bytes=self._slots.held_bytes, checksums=message.checksums)
+            held_bytes=self._slots.held_bytes if self._slots is not None else 0,
+            checksums=message.checksums)
         state = _RefitState(refit_index=message.refit_index, checksums=message.checksums,
                             verify=message.verify, loaded=bytearray(plan.num_tensors),
                             telemetry=telemetry)
-        return state, Started(refit_index=message.refit_index)
+        return state, Started(refit_index=message.refit_index, shared_key=self._shared_key)
 
     def _on_buffer(self, message: BufferReady, state: _RefitState,
                    engine: WeightLoader) -> Message:
@@ -295,6 +370,23 @@ class IpcReceiver(RefitReceiver):
             raise RefitTimeout(f"timed out after {self._options.timeout_s:g} s sending a "
                                f"{message.KIND} reply to the trainer at {self.address}")
         self._socket.send_multipart(encode(message), copy=False)
+
+
+def _view(storage: torch.UntypedStorage, where: SharedTensor, spec, device: torch.device
+          ) -> torch.Tensor:
+    """``spec``'s tensor at ``where`` in ``storage``, checked to lie inside it."""
+    if tuple(where.shape) != tuple(spec.shape) or len(where.stride) != len(where.shape):
+        raise ValueError(f"{spec.name}: shared as {where.shape} with strides {where.stride}, "
+                         f"the plan has {tuple(spec.shape)}")
+    itemsize = spec.dtype.itemsize
+    last = where.offset + sum((size - 1) * step for size, step in
+                              zip(where.shape, where.stride, strict=True) if size > 0)
+    if where.offset < 0 or any(step < 0 for step in where.stride) or (
+            spec.numel and (last + 1) * itemsize > storage.nbytes()):
+        raise ValueError(f"{spec.name}: elements {where.offset}..{last} lie outside its shared "
+                         f"storage of {storage.nbytes()} bytes")
+    return torch.empty(0, dtype=spec.dtype, device=device).set_(
+        storage, where.offset, tuple(where.shape), tuple(where.stride))
 
 
 def _mismatch(own: RefitPlan, sent: RefitPlan) -> str:

@@ -207,18 +207,9 @@ class IpcSender(RefitSender):
         if first_send is not None:
             telemetry.transfer_s = time.perf_counter() - first_send
         digests = self._digest_table(producer) if verify else None
-        if engine_failure is None:
-            engine_failure = self._complete(refit_index=refit_index, failure=failure,
-                                            digests=digests, telemetry=telemetry)
-        if failure is not None:
-            raise RefitError(f"refit {refit_index} failed on trainer rank {self._rank}: "
-                             f"{failure}")
-        if engine_failure is not None:
-            raise engine_failure
-        telemetry.total_s = time.perf_counter() - start
-        telemetry.verified = True if verify else None
-        telemetry.record_memory(self._memory.stop())
-        return telemetry
+        return self._finish(refit_index=refit_index, failure=failure,
+                            engine_failure=engine_failure, digests=digests, verify=verify,
+                            telemetry=telemetry, started=start)
 
     def close(self) -> None:
         if self._socket is not None:
@@ -268,7 +259,7 @@ class IpcSender(RefitSender):
             table[index] = torch.tensor(digest, dtype=torch.int64)
         return table
 
-    def _start(self, *, refit_index: int, verify: bool) -> None:
+    def _start(self, *, refit_index: int, verify: bool) -> Started:
         start = Start(refit_index=refit_index, fingerprint=self.plan.fingerprint,
                       checksums=self._options.checksums, verify=verify)
         timeout_s = self._options.start_timeout_s
@@ -285,6 +276,7 @@ class IpcSender(RefitSender):
             reply = self._request(start, Started, timeout_s=timeout_s, what=what, refusal=True)
         if isinstance(reply, Error):
             raise RefitError(f"the engine refused refit {refit_index}: {reply.message}")
+        return reply
 
     def _await_ack(self, buffer: PlannedBuffer, request: bytes, refit_index: int,
                    telemetry: RefitTelemetry) -> RefitError | None:
@@ -308,6 +300,24 @@ class IpcSender(RefitSender):
             return RefitError(f"the engine acknowledged buffer {reply.buffer_index}, expected "
                               f"{buffer.index}")
         return None
+
+    def _finish(self, *, refit_index: int, failure: str | None,
+                engine_failure: RefitError | None, digests: torch.Tensor | None, verify: bool,
+                telemetry: RefitTelemetry, started: float) -> RefitTelemetry:
+        """End the refit on the engine (unless the engine already failed) and raise the
+        trainer's failure first, then the engine's; the telemetry when both succeeded."""
+        if engine_failure is None:
+            engine_failure = self._complete(refit_index=refit_index, failure=failure,
+                                            digests=digests, telemetry=telemetry)
+        if failure is not None:
+            raise RefitError(f"refit {refit_index} failed on trainer rank {self._rank}: "
+                             f"{failure}")
+        if engine_failure is not None:
+            raise engine_failure
+        telemetry.total_s = time.perf_counter() - started
+        telemetry.verified = True if verify else None
+        telemetry.record_memory(self._memory.stop())
+        return telemetry
 
     def _complete(self, *, refit_index: int, failure: str | None, digests: torch.Tensor | None,
                   telemetry: RefitTelemetry) -> RefitError | None:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 WIRE_MAGIC = b"MCRF"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MAX_HEADER_BYTES = 64 << 20
-MAX_BLOBS = 64
+# Sharing a model's weights takes 3 blobs per storage (one storage per tensor at worst).
+MAX_BLOBS = 1 << 16
 _PREFIX = struct.Struct("!4sHHI")
 
 
@@ -69,6 +70,8 @@ class Hello(Message):
     device_key: str
     slots: tuple[SlotHandle, ...]
     blobs: tuple[bytes, ...] = ()
+    # No slots: the trainer shares the memory of its own tensors (:class:`ShareWeights`).
+    shares_weights: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +94,39 @@ class Start(Message):
 @dataclass(frozen=True, kw_only=True)
 class Started(Message):
     KIND: ClassVar[str] = "started"
+    refit_index: int
+    # The key of the trainer tensors this engine has mapped (:class:`ShareWeights`), if any.
+    shared_key: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedTensor:
+    """Where one planned tensor lies in a shared storage: ``storage`` indexes the message's
+    storages; ``offset``, ``shape`` and ``stride`` are in elements of the plan's dtype."""
+
+    storage: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShareWeights(Message):
+    """Trainer → engine: map these storages of the trainer's memory and read every planned
+    tensor (in plan order) from them from now on; ``key`` names this layout."""
+
+    KIND: ClassVar[str] = "share_weights"
+    key: str
+    storages: tuple[SlotHandle, ...]
+    tensors: tuple[SharedTensor, ...]
+    blobs: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsReady(Message):
+    """Trainer → engine: the shared tensors hold this refit's weights; load all of them."""
+
+    KIND: ClassVar[str] = "weights_ready"
     refit_index: int
 
 
@@ -148,7 +184,8 @@ class Error(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
-    Hello, Ready, Start, Started, BufferReady, Ack, Complete, Summary, Error)}
+    Hello, Ready, Start, Started, ShareWeights, WeightsReady, BufferReady, Ack, Complete, Summary,
+    Error)}
 
 
 def encode(message: Message) -> list[bytes]:

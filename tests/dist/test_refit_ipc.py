@@ -26,13 +26,14 @@ from mcore_refit.refit import (
     RefitError,
     Refitter,
     RefitTimeout,
+    SharedWeightsSender,
     TensorDictEngine,
     WeightTransferEndpoint,
     build_plan,
     plan_for_source,
 )
 from mcore_refit.refit.config import PlanConfig, TransportOptions
-from mcore_refit.refit.ipc_memory import private_runtime_dir
+from mcore_refit.refit.ipc_memory import create_shared_cpu_slot, private_runtime_dir
 from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from mcore_refit.refit.wire import BufferReady, decode, encode
 from tests.tensors import bits
@@ -242,6 +243,76 @@ def test_a_refit_after_an_engine_failure_is_bitwise(ipc_dir, tmp_path):
     assert telemetry.verified is True
     assert [o["ok"] for o in outcomes] == [False, True]
     assert outcomes[1]["bitwise"] is True and outcomes[1]["refit_index"] == 1
+
+
+def _in_shared_memory(source, directory: Path, name: str) -> TensorListSource:
+    """``source``'s current values in shared-memory files (matrices stored transposed, so the
+    engine rebuilds strided views)."""
+    named = []
+    for index, (tensor_name, tensor) in enumerate(source.iter_weights()):
+        stored = tensor.t() if tensor.dim() == 2 else tensor
+        nbytes = stored.numel() * stored.element_size()
+        raw = create_shared_cpu_slot(directory / f"{name}.weights{index}", max(nbytes, 8))
+        copy = raw[:nbytes].view(stored.dtype).view(stored.shape)
+        copy.copy_(stored)
+        named.append((tensor_name, copy.t() if tensor.dim() == 2 else copy))
+    return TensorListSource(named)
+
+
+def _shared_refitter(source, options: TransportOptions, device_id: str) -> Refitter:
+    plan = plan_for_source(LocalSource(source), config=_plan_config(), device=CPU)
+    sender = SharedWeightsSender(plan=plan, device=CPU, options=options, cpu_device_id=device_id)
+    refitter = Refitter(source=LocalSource(source), sender=sender)
+    refitter.prepare()
+    return refitter
+
+
+@pytest.mark.timeout(90)
+def test_shared_weights_are_loaded_in_place_and_mapped_again_when_they_move(ipc_dir, tmp_path):
+    config = _options(ipc_dir)
+    directory = private_runtime_dir(ipc_dir)
+    synthetic = SyntheticWeightSource(tiny_mixed_specs(), device=CPU, seed=SEED,
+                                      noncontiguous=True)
+    source = _in_shared_memory(synthetic, directory, "first")
+    refitter = _shared_refitter(source, config, "cpu-shared")
+    engine = start_engine(refitter.sender.address, config, tmp_path / "engine.json",
+                          num_refits=3)
+    try:
+        telemetry = [refitter.refit(verify=True)]
+        _bump(source)
+        telemetry.append(refitter.refit(verify=True))
+        _bump(source)
+        # The weights move (as an offload and reload would move them): mapped again.
+        refitter.source = LocalSource(_in_shared_memory(source, directory, "moved"))
+        telemetry.append(refitter.refit(verify=True))
+    finally:
+        refitter.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    assert outcomes == [{"ok": True, "verified": True, "refit_index": i, "bitwise": True}
+                        for i in range(3)]
+    assert [(t.verified, t.transport, t.held_bytes) for t in telemetry] == \
+        [(True, "ipc_shared", 0)] * 3
+
+
+@pytest.mark.timeout(90)
+def test_shared_weights_refuse_private_memory_by_name(ipc_dir, tmp_path):
+    config = _options(ipc_dir)
+    source = SyntheticWeightSource(tiny_mixed_specs(), device=CPU, seed=SEED)
+    refitter = _shared_refitter(source, config, "cpu-private")
+    engine = start_engine(refitter.sender.address, config, tmp_path / "engine.json",
+                          num_refits=1)
+    try:
+        with pytest.raises(RefitError) as raised:
+            refitter.refit()
+    finally:
+        refitter.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    reason = ("cannot share the weights with the engine: a CPU tensor is shared with the engine "
+              f"only from a shared-memory file in {private_runtime_dir(ipc_dir)}; this one "
+              "lives in private memory")
+    assert str(raised.value) == f"refit 0 failed on trainer rank 0: {reason}"
+    assert outcomes[0]["ok"] is False
+    assert outcomes[0]["message"] == f"refit 0 failed: the trainer aborted refit 0: {reason}"
 
 
 @pytest.mark.timeout(90)

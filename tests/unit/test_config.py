@@ -213,6 +213,15 @@ def test_a_nested_section_error_names_the_full_dotted_key(job, overrides, messag
      "inference.dtype=bfloat16 differs from model.dtype=float32; refits copy tensors as exported"),
     ({"grpo": {"kl_coef": 0.1}, "policy": {"reference_model": False}},
      "grpo.kl_coef > 0 needs policy.reference_model: true"),
+    ({"refit": {"mode": "non_colocated", "transport": {"ipc_sharing": "weights"}}},
+     "refit.transport.ipc_sharing=weights is for refit.mode=colocated"),
+    ({"refit": {"mode": "colocated", "transport": {"ipc_sharing": "weights"}},
+      "inference": {"offload_trainer": True}},
+     "refit.transport.ipc_sharing=weights keeps the trainer's weights mapped by the engine, so "
+     "inference.offload_trainer=true would free no memory; use ipc_sharing=buffers with "
+     "offloading"),
+    ({"refit": {"transport": {"ipc_sharing": "pages"}}},
+     "config key 'refit.transport.ipc_sharing' must be one of 'buffers', 'weights', got 'pages'"),
 ])
 def test_grpo_sections_name_the_full_dotted_key(sections, message):
     with pytest.raises(ConfigError) as error:

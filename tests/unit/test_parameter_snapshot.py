@@ -28,3 +28,11 @@ def test_a_new_parameter_object_in_any_chunk_is_a_replacement():
     chunks[1].weight = torch.nn.Parameter(chunks[1].weight.detach().clone())
     assert snapshot.replaced()
     assert not ParameterSnapshot(chunks).replaced()
+
+
+def test_replacements_map_the_old_object_to_the_new():
+    chunks = _chunks()
+    snapshot = ParameterSnapshot(chunks)
+    old = chunks[0][1].bias
+    chunks[0][1].bias = torch.nn.Parameter(torch.ones(4))
+    assert snapshot.replacements() == {id(old): chunks[0][1].bias}

@@ -6,6 +6,7 @@ import pytest
 
 from mcore_refit.bench import colocated, split
 from mcore_refit.bench.config import (
+    COLOCATED_MODES,
     BenchConfig,
     MegatronSourceConfig,
     Mode,
@@ -91,10 +92,17 @@ def test_bad_bench_configs_name_the_full_key(overrides, message):
     assert message in str(error.value).replace("`", "")
 
 
-def test_every_mode_has_a_driver_in_both_placements():
+def test_every_mode_has_a_driver_in_its_placements():
     modes = set(typing.get_args(Mode))
-    assert set(split.MODES) == modes
+    assert set(split.MODES) == modes - set(COLOCATED_MODES)
     assert set(colocated.MODES) == modes
+
+
+def test_colocated_only_modes_are_refused_elsewhere():
+    with pytest.raises(ConfigError) as error:
+        load_config(RefitBenchJob, None, ["bench.modes=[engine,shared_weights]"])
+    assert str(error.value) == ("bench.modes shared_weights needs refit.mode=colocated, got "
+                                "non_colocated")
 
 
 def result(mode, seconds, *, payload=1_000_000_000, **fields) -> ModeResult:

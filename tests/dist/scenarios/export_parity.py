@@ -111,9 +111,18 @@ def export_reads_current_parameters(path, device):
         replaced = replaced.unique().tolist()
         rebuilt = model.conversion_tasks() is not first_tasks
         source_replaced = _source_norm(export, plan, control)
+        reshaped = None
+        if last_stage:
+            weight = norm_owner.final_layernorm.weight
+            norm_owner.final_layernorm.weight = torch.nn.Parameter(weight.detach()[:-1].clone())
+            try:
+                export.begin(plan)
+            except RuntimeError as error:
+                reshaped = str(error)
+        reshaped = control.all_gather_json(reshaped, what="the reshaped replacement's error")
         return {"in_place": in_place, "tasks_reused": reused, "replaced": replaced,
                 "tasks_rebuilt": rebuilt, "source_in_place": source_in_place,
-                "source_replaced": source_replaced}
+                "source_replaced": source_replaced, "reshaped": reshaped}
     finally:
         distributed.destroy_model_parallel()
 
