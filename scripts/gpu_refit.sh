@@ -26,8 +26,12 @@ if [ "${PLACEMENT:-non_colocated}" = non_colocated ]; then
   bench moe 90 2 bench.source=moe_30b_a3b
 fi
 [ "${PLACEMENT:-colocated}" = colocated ] || { cat "$D/rc.txt"; exit 0; }
-# MoE without naive: 18,867 one-tensor messages take longer than the rest of the run.
 COLOCATED='raw_link,single_buffer,engine,shared_weights,export_alone,transport_alone'
 bench colocated_dense 80 1 refit.mode=colocated bench.source=dense_8b "bench.modes=[naive,$COLOCATED]"
-bench colocated_moe 110 1 refit.mode=colocated bench.source=moe_30b_a3b "bench.modes=[$COLOCATED]"
+# MoE without naive and single_buffer (18,867 one-tensor messages, or unoverlapped packs, take
+# longer than the rest of the run), and the slot-free path in a call of its own.
+bench colocated_moe 200 1 refit.mode=colocated bench.source=moe_30b_a3b \
+  'bench.modes=[raw_link,engine,export_alone,transport_alone]'
+bench colocated_moe_shared 100 1 refit.mode=colocated bench.source=moe_30b_a3b \
+  'bench.modes=[raw_link,shared_weights]'
 cat "$D/rc.txt"; echo "total ${SECONDS}s"

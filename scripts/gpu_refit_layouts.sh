@@ -40,6 +40,6 @@ bench alone_tp1 45 1 "$EXPORT" bench.trainer_only=true
 bench alone_pp2 50 2 "$EXPORT" bench.trainer_only=true bench.num_trainer_ranks=2 "$PP2"
 bench alone_pp2_vpp2 50 2 "$EXPORT" bench.trainer_only=true bench.num_trainer_ranks=2 "$PP2" "$VPP2"
 bench alone_tp2 50 2 "$EXPORT" bench.trainer_only=true bench.num_trainer_ranks=2 "$TP2"
-bench colocated_tp1 70 1 refit.mode=colocated \
-  'bench.modes=[raw_link,engine,transport_alone,export_alone,bridge_export]'
+bench colocated_tp1 80 1 refit.mode=colocated \
+  'bench.modes=[raw_link,engine,shared_weights,transport_alone,export_alone,bridge_export]'
 cat "$D/rc.txt"; echo "total ${SECONDS}s"

@@ -7,10 +7,14 @@ step() {
   local left=$((BUDGET_S - SECONDS)) start=$SECONDS
   [ "$limit" -le "$left" ] || limit=$left
   if [ "$limit" -lt 20 ]; then echo "rc=skipped $name (budget spent)" >> "$D/rc.txt"; return; fi
-  timeout "$limit" "$@" > "/tmp/$name.out" 2> "/tmp/$name.err"
-  echo "rc=$? $name $((SECONDS - start))s (limit ${limit}s)" >> "$D/rc.txt"
+  # SIGINT first: a step that ran out of time prints where it was (Python's traceback).
+  timeout -s INT -k 15 "$limit" "$@" > "/tmp/$name.out" 2> "/tmp/$name.err"
+  local rc=$?
+  echo "rc=$rc $name $((SECONDS - start))s (limit ${limit}s)" >> "$D/rc.txt"
   { echo "== $name"; grep -E "Error|error:|Timeout" "/tmp/$name.err" \
-      | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 8; } >> "$D/errors.txt"
+      | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 8
+    [ "$rc" = 0 ] || { echo "-- last lines of stderr"; tail -n 25 "/tmp/$name.err"; }
+  } >> "$D/errors.txt"
 }
 
 # last_json NAME: the step's last stdout line if it is a JSON object, else an error object.

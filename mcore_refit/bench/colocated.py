@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.bench.rank import BenchRank
-from mcore_refit.bench.results import ModeResult, transport_result
+from mcore_refit.bench.results import ModeResult, progress, transport_result
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.control import ControlGroup, Outcome
 from mcore_refit.inference.process import EngineProcess
@@ -55,6 +55,8 @@ def run_colocated(bench: ColocatedBench) -> list[ModeResult] | None:
             bench.trainers.barrier(what=f"every rank at the start of mode {mode}",
                                    timeout_s=job.refit.transport.start_timeout_s)
             results.append(MODES[mode](bench, mode, engine))
+            if bench.trainers.rank == 0:
+                progress(results[-1])
             bench.synchronize()
     finally:
         engine.close()

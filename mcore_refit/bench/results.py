@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,13 @@ def emit(line: dict[str, Any], output: str | None) -> None:
     if output is not None:
         with open(output, "a") as handle:
             handle.write(text + "\n")
+
+
+def progress(result: ModeResult) -> None:
+    """One line on stderr as each mode ends, so a run cut short still shows how far it got."""
+    error = f", error {result.error.splitlines()[0]}" if result.error else ""
+    print(f"bench: {result.mode} done: median {result.refit_s_median * 1e3:.2f} ms, verified "
+          f"{result.verified}{error}", file=sys.stderr, flush=True)
 
 
 def _at_least(ratio: float, target: float) -> dict[str, Any]:

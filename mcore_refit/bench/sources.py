@@ -53,8 +53,10 @@ class BenchSources:
         """The source ``mode`` refits (or exports) from."""
         if mode in ("bridge_export", "bridge_export_alone"):
             return self.bridge
-        if mode == "transport_alone":
+        if mode == "transport_alone" and self.model is not None:
             return self.captured()
+        # A synthetic source's tensors are in memory already: its refit is the transport alone
+        # (a copy would only take memory the MoE set on one GPU does not have).
         return self.main
 
     def captured(self) -> Captured:

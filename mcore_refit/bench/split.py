@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_refit.bench.rank import BenchRank
-from mcore_refit.bench.results import ModeResult, transport_result
+from mcore_refit.bench.results import ModeResult, progress, transport_result
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.control import ControlGroup
 from mcore_refit.distributed import SplitJob
@@ -62,6 +62,8 @@ def run_split(bench: SplitBench) -> list[ModeResult] | None:
         role = MODES[mode]
         if bench.is_trainer:
             results.append(role.trainer(bench, mode))
+            if bench.rank == 0:
+                progress(results[-1])
         else:
             role.receiver(bench, mode)
         bench.synchronize()

@@ -21,7 +21,7 @@ from mcore_refit.refit.buffers import BufferHeader, BufferSlots, BufferStatus
 from mcore_refit.refit.checksum import DIGEST_WORDS, buffer_checksum, verify_engine_weights
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.ipc_memory import gpu_uuid, open_slot, path_of
-from mcore_refit.refit.plan import RefitPlan, plan_from_json
+from mcore_refit.refit.plan import RefitPlan, Region, TensorSpec, plan_from_json
 from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
 from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transport import (
@@ -218,11 +218,7 @@ class IpcReceiver(RefitReceiver):
                         for handle in message.storages]
             shared = []
             for planned, where in zip(plan.tensors, message.tensors, strict=True):
-                if not 0 <= where.storage < len(storages):
-                    raise ValueError(f"{planned.spec.name}: storage {where.storage} of "
-                                     f"{len(storages)}")
-                shared.append((planned.spec, _view(storages[where.storage], where,
-                                                   planned.spec, self._streams.device)))
+                shared += _shared_views(storages, where, planned.spec, self._streams.device)
         except (WireError, ValueError, RuntimeError, OSError) as error:
             return Error(message=f"cannot map the trainer's weights: {error}")
         self._shared, self._shared_key = shared, message.key
@@ -372,21 +368,53 @@ class IpcReceiver(RefitReceiver):
         self._socket.send_multipart(encode(message), copy=False)
 
 
-def _view(storage: torch.UntypedStorage, where: SharedTensor, spec, device: torch.device
+def _shared_views(storages: list[torch.UntypedStorage], where: SharedTensor, spec: TensorSpec,
+                  device: torch.device) -> list[tuple[TensorSpec, torch.Tensor]]:
+    """``spec``'s tensor in the trainer's storages: the whole view, or its runs as pieces,
+    each checked to lie inside its storage; the runs must cover the tensor exactly."""
+    if where.storage == -1:
+        if spec.numel:
+            raise ValueError(f"{spec.name}: shared without memory, the plan has "
+                             f"{tuple(spec.shape)}")
+        return [(spec, torch.empty(spec.shape, dtype=spec.dtype, device=device))]
+    if not 0 <= where.storage < len(storages):
+        raise ValueError(f"{spec.name}: storage {where.storage} of {len(storages)}")
+    storage = storages[where.storage]
+    if not where.run_starts:
+        if tuple(where.shape) != tuple(spec.shape):
+            raise ValueError(f"{spec.name}: shared as {where.shape}, the plan has "
+                             f"{tuple(spec.shape)}")
+        return [(spec, _view(storage, where.offset, where, spec))]
+    dim, length = where.dim, where.shape[where.dim] if 0 <= where.dim < len(where.shape) else 0
+    full = spec.shape[dim] if 0 <= dim < len(spec.shape) else -1
+    run_shape = list(spec.shape[:dim]) + [length] + list(spec.shape[dim + 1:])
+    starts = list(where.run_starts)
+    if (tuple(where.shape) != tuple(run_shape) or len(where.run_offsets) != len(starts)
+            or starts != list(range(0, full, length or 1)) or length * len(starts) != full):
+        raise ValueError(f"{spec.name}: {len(starts)} runs of {tuple(where.shape)} along dim "
+                         f"{dim} starting at {starts} do not tile the plan's "
+                         f"{tuple(spec.shape)}")
+    return [(TensorSpec(spec.name, tuple(run_shape), spec.dtype,
+                        region=Region(dim=dim, start=start, full=full)),
+             _view(storage, offset, where, spec))
+            for start, offset in zip(starts, where.run_offsets, strict=True)]
+
+
+def _view(storage: torch.UntypedStorage, offset: int, where: SharedTensor, spec: TensorSpec
           ) -> torch.Tensor:
-    """``spec``'s tensor at ``where`` in ``storage``, checked to lie inside it."""
-    if tuple(where.shape) != tuple(spec.shape) or len(where.stride) != len(where.shape):
-        raise ValueError(f"{spec.name}: shared as {where.shape} with strides {where.stride}, "
-                         f"the plan has {tuple(spec.shape)}")
+    """The view of ``where``'s shape and stride at ``offset`` in ``storage``, checked to lie
+    inside it."""
+    if len(where.stride) != len(where.shape):
+        raise ValueError(f"{spec.name}: shared as {where.shape} with strides {where.stride}")
     itemsize = spec.dtype.itemsize
-    last = where.offset + sum((size - 1) * step for size, step in
-                              zip(where.shape, where.stride, strict=True) if size > 0)
-    if where.offset < 0 or any(step < 0 for step in where.stride) or (
-            spec.numel and (last + 1) * itemsize > storage.nbytes()):
-        raise ValueError(f"{spec.name}: elements {where.offset}..{last} lie outside its shared "
+    last = offset + sum((size - 1) * step for size, step in
+                        zip(where.shape, where.stride, strict=True) if size > 0)
+    if offset < 0 or any(step < 0 for step in where.stride) or (
+            (last + 1) * itemsize > storage.nbytes()):
+        raise ValueError(f"{spec.name}: elements {offset}..{last} lie outside its shared "
                          f"storage of {storage.nbytes()} bytes")
-    return torch.empty(0, dtype=spec.dtype, device=device).set_(
-        storage, where.offset, tuple(where.shape), tuple(where.stride))
+    return torch.empty(0, dtype=spec.dtype, device=storage.device).set_(
+        storage, offset, tuple(where.shape), tuple(where.stride))
 
 
 def _mismatch(own: RefitPlan, sent: RefitPlan) -> str:

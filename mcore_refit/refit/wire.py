@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 WIRE_MAGIC = b"MCRF"
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 MAX_HEADER_BYTES = 64 << 20
 # Sharing a model's weights takes 3 blobs per storage (one storage per tensor at worst).
 MAX_BLOBS = 1 << 16
@@ -102,12 +102,22 @@ class Started(Message):
 @dataclass(frozen=True, kw_only=True)
 class SharedTensor:
     """Where one planned tensor lies in a shared storage: ``storage`` indexes the message's
-    storages; ``offset``, ``shape`` and ``stride`` are in elements of the plan's dtype."""
+    storages (-1: an empty tensor, nothing to map); ``offset``, ``shape`` and ``stride`` are in
+    elements of the plan's dtype.
+
+    A tensor whose elements lie apart in the trainer's memory (the query rows of each key-value
+    group in a fused QKV weight) is a series of equal runs along ``dim``: run ``i`` is the view
+    of ``shape`` and ``stride`` at ``run_offsets[i]``, filling ``[run_starts[i], run_starts[i] +
+    shape[dim])`` of the planned tensor. Without runs, the view at ``offset`` is the whole
+    tensor."""
 
     storage: int
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    dim: int = 0
+    run_starts: tuple[int, ...] = ()
+    run_offsets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,8 @@ from mcore_refit.refit import (
     plan_for_source,
 )
 from mcore_refit.refit.config import PlanConfig, TransportOptions
+from mcore_refit.refit.plan import TensorSpec
+from mcore_refit.refit.source import Piecewise
 from mcore_refit.refit.ipc_memory import create_shared_cpu_slot, private_runtime_dir
 from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from mcore_refit.refit.wire import BufferReady, decode, encode
@@ -292,6 +294,89 @@ def test_shared_weights_are_loaded_in_place_and_mapped_again_when_they_move(ipc_
                         for i in range(3)]
     assert [(t.verified, t.transport, t.held_bytes) for t in telemetry] == \
         [(True, "ipc_shared", 0)] * 3
+
+
+class _FusedSource:
+    """A fused QKV-like weight in a shared-memory file, exported as the query rows of each of
+    its two groups (runs of one storage, never copied), the key rows the same way, the value
+    rows as one strided view, and an empty tensor."""
+
+    stable_tensors = True
+    GROUPS, QUERY_ROWS, ROW = 2, 3, 4
+    SPECS = [TensorSpec("q", (GROUPS * QUERY_ROWS, ROW), torch.float32),
+             TensorSpec("k", (GROUPS, ROW), torch.float32),
+             TensorSpec("v", (GROUPS, ROW), torch.float32),
+             TensorSpec("empty", (0, ROW), torch.float32)]
+
+    def __init__(self, directory: Path) -> None:
+        group = self.QUERY_ROWS + 2
+        nbytes = self.GROUPS * group * self.ROW * 4
+        raw = create_shared_cpu_slot(directory / "fused.weights0", nbytes)
+        self.fused = raw.view(torch.float32).view(self.GROUPS, group, self.ROW)
+        self.fused.copy_(_fused_values(0))
+        self.q = Piecewise(shape=self.SPECS[0].shape, dtype=torch.float32, dim=0,
+                           offsets=[g * self.QUERY_ROWS for g in range(self.GROUPS)],
+                           runs=[self.fused[g, :self.QUERY_ROWS] for g in range(self.GROUPS)])
+        self.k = Piecewise(shape=self.SPECS[1].shape, dtype=torch.float32, dim=0,
+                           offsets=list(range(self.GROUPS)),
+                           runs=[self.fused[g, self.QUERY_ROWS:self.QUERY_ROWS + 1]
+                                 for g in range(self.GROUPS)])
+        self.empty = torch.empty(0, self.ROW)
+
+    def weight_specs(self):
+        return list(self.SPECS)
+
+    def iter_weights(self):
+        yield from (("q", self.q), ("k", self.k), ("v", self.fused[:, -1]),
+                    ("empty", self.empty))
+
+
+def _fused_values(refit: int) -> torch.Tensor:
+    group = _FusedSource.QUERY_ROWS + 2
+    return torch.arange(_FusedSource.GROUPS * group * _FusedSource.ROW, dtype=torch.float32
+                        ).view(_FusedSource.GROUPS, group, _FusedSource.ROW) * (refit + 1)
+
+
+def _fused_engine_main(address: str, options: TransportOptions, out_path: str) -> None:
+    engine = TensorDictEngine.from_specs(_FusedSource.SPECS, device=CPU)
+    outcomes = []
+    try:
+        with WeightTransferEndpoint(engine=engine, device=CPU, options=options) as endpoint:
+            endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
+            for refit in range(2):
+                endpoint.start_weight_update()
+                telemetry = endpoint.update_weights()
+                endpoint.finish_weight_update(refit)
+                fused, rows = _fused_values(refit), _FusedSource.QUERY_ROWS
+                expected = {"q": fused[:, :rows].reshape(-1, _FusedSource.ROW),
+                            "k": fused[:, rows], "v": fused[:, -1]}
+                outcomes.append({"verified": telemetry.verified, "bitwise": all(
+                    torch.equal(engine.get_weight(n), t) for n, t in expected.items())})
+    except BaseException as error:
+        outcomes.append({"uncaught": f"{type(error).__name__}: {error}",
+                         "traceback": traceback.format_exc()})
+    Path(out_path).write_text(json.dumps(outcomes))
+
+
+@pytest.mark.timeout(90)
+def test_shared_weights_load_rows_that_lie_apart_as_runs_of_the_trainer_memory(ipc_dir,
+                                                                               tmp_path):
+    config = _options(ipc_dir)
+    source = _FusedSource(private_runtime_dir(ipc_dir))
+    refitter = _shared_refitter(source, config, "cpu-runs")
+    engine = mp.get_context("spawn").Process(
+        target=_fused_engine_main,
+        args=(refitter.sender.address, config, str(tmp_path / "engine.json")))
+    engine.start()
+    try:
+        first = refitter.refit(verify=True)
+        source.fused.copy_(_fused_values(1))  # in place: nothing is shared again
+        second = refitter.refit(verify=True)
+    finally:
+        refitter.close()
+    outcomes = finish_engine(engine, tmp_path / "engine.json")
+    assert outcomes == [{"verified": True, "bitwise": True}] * 2
+    assert (first.held_bytes, second.held_bytes, second.pack_s) == (0, 0, 0)
 
 
 @pytest.mark.timeout(90)
