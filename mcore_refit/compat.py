@@ -261,7 +261,22 @@ class _HostStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        # transformer/moe/token_dispatcher.py:946-950 (MoEAlltoAllTokenDispatcher) records an
+        # event on its device-to-host stream and calls .synchronize() on it later.
+        return event if event is not None else _HostEvent()
+
+
+class _HostEvent:
+    """A CUDA event stand-in for CPU runs: the host thread has done the work already."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 # --------------------------------------------------------------------------------------------

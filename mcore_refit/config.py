@@ -54,10 +54,14 @@ class ParallelConfig:
     # Model chunks per pipeline rank (interleaved schedule); None means not interleaved.
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
+    # Expert-parallel size (mixture-of-experts models): each rank of an expert-parallel group
+    # holds 1/expert of every MoE layer's experts. Carved out of the data-parallel ranks.
+    expert: int = 1
 
     def __post_init__(self) -> None:
         _require_positive("tensor", self.tensor)
         _require_positive("pipeline", self.pipeline)
+        _require_positive("expert", self.expert)
         if self.virtual_pipeline is not None:
             _require_positive("virtual_pipeline", self.virtual_pipeline)
             if self.pipeline == 1:
@@ -78,19 +82,47 @@ class ParallelConfig:
         return self.tensor * self.pipeline
 
     def data_parallel_size(self, world_size: int) -> int:
-        """The data-parallel size for ``world_size`` ranks; raises if the layout does not fit."""
+        """The data-parallel size for ``world_size`` ranks; raises if the layout does not fit.
+
+        Expert parallelism splits the data-parallel ranks (Megatron-Core's expert groups span
+        tensor × expert ranks per pipeline stage), so ``world_size`` must also be a multiple of
+        tensor × pipeline × expert.
+        """
         if world_size % self.model_parallel_size != 0:
             raise ValueError(
                 f"world size {world_size} is not divisible by parallel.tensor × "
                 f"parallel.pipeline = {self.tensor} × {self.pipeline}; launch a multiple of "
                 f"{self.model_parallel_size} ranks or change the layout"
             )
+        expert_size = self.model_parallel_size * self.expert
+        if world_size % expert_size != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tensor × "
+                f"parallel.pipeline × parallel.expert = {self.tensor} × {self.pipeline} × "
+                f"{self.expert}; launch a multiple of {expert_size} ranks or lower "
+                "parallel.expert"
+            )
         return world_size // self.model_parallel_size
 
     def validate_for_model(self, *, world_size: int, num_layers: int, num_attention_heads: int,
-                           num_query_groups: int) -> None:
-        """Reject layouts the model cannot be split into, before any model is built."""
+                           num_query_groups: int, num_experts: int | None = None) -> None:
+        """Reject layouts the model cannot be split into, before any model is built.
+
+        ``num_experts`` is the experts per MoE layer (None for a dense model).
+        """
         self.data_parallel_size(world_size)
+        if self.expert > 1 and num_experts is None:
+            raise ValueError(f"parallel.expert={self.expert} needs a mixture-of-experts model; "
+                             "this one has no experts (set parallel.expert: 1)")
+        if num_experts is not None and num_experts % self.expert != 0:
+            raise ValueError(f"parallel.expert={self.expert} must divide the model's "
+                             f"{num_experts} experts per layer")
+        if num_experts is not None and self.tensor > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"a mixture-of-experts model at parallel.tensor={self.tensor} needs "
+                "parallel.sequence_parallel: true (megatron-core's MoELayer requires it with "
+                "tensor parallelism), and sequence parallelism needs the transformer-engine "
+                "layer spec")
         num_stages = self.pipeline * self.num_model_chunks
         if num_layers % num_stages != 0:
             if self.virtual_pipeline is None:
@@ -121,10 +153,16 @@ class ModelConfig:
     layer_spec: LayerSpec = "auto"
     # False builds the architecture with random weights instead of loading the checkpoint's.
     load_weights: bool = True
+    # Mixture-of-experts models: the router's load-balancing loss coefficient (Megatron's
+    # moe_aux_loss_coeff). 0 trains exactly the HF model's objective, which the export verifier's
+    # gradient parity needs; the bridges' default (1e-3) gave huge grad norms on tiny models.
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.hf_path:
             raise ConfigError("`hf_path` must name a Hugging Face checkpoint directory")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ConfigError(f"`moe_aux_loss_coeff` must be ≥ 0, got {self.moe_aux_loss_coeff}")
 
     @property
     def torch_dtype(self):

@@ -82,6 +82,11 @@ class ModelParallel:
     dp_rank: int
     dp_size: int
     dp_group: dist.ProcessGroup
+    # Expert parallelism (parallel.expert): this rank's place among the ranks that split each
+    # MoE layer's experts (size 1 and rank 0 without it).
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
 
     @property
     def is_last_stage(self) -> bool:
@@ -103,6 +108,7 @@ def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> ModelParallel
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        expert_model_parallel_size=parallel.expert,
     )
     torch.manual_seed(seed)
     if torch.cuda.is_available():
@@ -121,6 +127,9 @@ def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> ModelParallel
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         dp_group=ps.get_data_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_group=ps.get_expert_model_parallel_group(),
     )
 
 

@@ -27,6 +27,11 @@ _TE_ONLY_FUSIONS = (
     "persist_layer_norm",
     "cross_entropy_loss_fusion",
     "gradient_accumulation_fusion",
+    # MoE: the MoE bridges turn these on; without TE, megatron-core raises "fused permutation is
+    # not available" (transformer_config.py:2651) or builds the legacy GroupedMLP, which needs the
+    # grouped_gemm package (moe_grouped_gemm=False gives SequentialMLP).
+    "moe_permute_fusion",
+    "moe_grouped_gemm",
 )
 
 
@@ -41,6 +46,8 @@ class ModelShape:
     tie_word_embeddings: bool
     architecture: str
     pad_token_id: int | None
+    # Experts per MoE layer; None for a dense model.
+    num_experts: int | None = None
 
 
 def read_model_shape(hf_path: str) -> ModelShape:
@@ -62,7 +69,17 @@ def read_model_shape(hf_path: str) -> ModelShape:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         architecture=architectures[0],
         pad_token_id=getattr(config, "pad_token_id", None),
+        num_experts=_num_experts(config),
     )
+
+
+def _num_experts(config) -> int | None:
+    """Routed experts per MoE layer under the names transformers' MoE configs use."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def resolve_layer_spec(requested: str, parallel: ParallelConfig) -> str:
@@ -215,6 +232,7 @@ def build_model(model_config: ModelConfig, model_parallel: ModelParallel, *,
         num_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
+        num_experts=shape.num_experts,
     )
     layer_spec = resolve_layer_spec(model_config.layer_spec, parallel)
 
@@ -225,13 +243,14 @@ def build_model(model_config: ModelConfig, model_parallel: ModelParallel, *,
 
         bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(model_config.hf_path))
     provider = bridge.to_megatron_provider(load_weights=model_config.load_weights)
-    _configure_provider(provider, model_config, parallel, layer_spec, device)
+    layer_spec = _configure_provider(provider, model_config, parallel, layer_spec, device)
     for key, value in (provider_overrides or {}).items():
         if not hasattr(provider, key):
             raise ValueError(f"provider override '{key}' is not a GPTModelProvider field")
         setattr(provider, key, value)
     provider.finalize()
     _check_pipeline_comm(provider, parallel)
+    _check_spec_without_te(provider, shape.architecture)
 
     chunks = provider.provide_distributed_model(
         wrap_with_ddp=wrap_with_ddp,
@@ -245,24 +264,32 @@ def build_model(model_config: ModelConfig, model_parallel: ModelParallel, *,
 
 
 def _configure_provider(provider, model_config: ModelConfig, parallel: ParallelConfig,
-                        layer_spec: str, device: torch.device) -> None:
-    from megatron.bridge.models.gpt_provider import local_layer_spec, transformer_engine_layer_spec
-
+                        layer_spec: str, device: torch.device) -> str:
+    """Set the layout, dtype and layer spec on ``provider``; returns the layer spec's name."""
     provider.tensor_model_parallel_size = parallel.tensor
     provider.pipeline_model_parallel_size = parallel.pipeline
     provider.virtual_pipeline_model_parallel_size = parallel.virtual_pipeline
+    provider.expert_model_parallel_size = parallel.expert
     provider.sequence_parallel = parallel.sequence_parallel
     dtype = model_config.torch_dtype
     provider.params_dtype = dtype
     provider.pipeline_dtype = dtype
     provider.bf16 = model_config.dtype == "bfloat16"
     provider.fp16 = model_config.dtype == "float16"
-    if layer_spec == "te":
-        provider.transformer_layer_spec = transformer_engine_layer_spec
-    else:
-        provider.transformer_layer_spec = local_layer_spec
+    layer_spec = _choose_layer_spec(provider, layer_spec)
+    if not compat.te_available() or layer_spec == "local":
         for fusion in _TE_ONLY_FUSIONS:
-            setattr(provider, fusion, False)
+            if hasattr(provider, fusion):
+                setattr(provider, fusion, False)
+    if getattr(provider, "num_moe_experts", None):
+        # The router's auxiliary losses add gradients the HF model's loss does not have.
+        provider.moe_aux_loss_coeff = model_config.moe_aux_loss_coeff
+        provider.moe_z_loss_coeff = None
+        if device.type == "cpu" and parallel.expert > 1:
+            # The all-to-all dispatcher hands all_to_all_single numpy split sizes
+            # (tensor_parallel/mappings.py:450-466, from token_dispatcher.py:930-945), which
+            # gloo refuses; the allgather dispatcher moves the same tokens with all-gathers.
+            provider.moe_token_dispatcher_type = "allgather"
     if device.type == "cpu":
         # p2p_communication.py:419 calls torch.cuda.synchronize() after batched p2p when set.
         provider.batch_p2p_sync = False
@@ -272,6 +299,84 @@ def _configure_provider(provider, model_config: ModelConfig, parallel: ParallelC
     if parallel.virtual_pipeline is not None:
         provider.overlap_p2p_comm = True
         provider.batch_p2p_comm = False
+
+
+def _choose_layer_spec(provider, layer_spec: str) -> str:
+    """Keep a bridge's own layer spec; swap only Megatron-Bridge's generic default for the
+    resolved ``layer_spec`` (``te`` or ``local``). Returns the name of the spec in use."""
+    from megatron.bridge.models import gpt_provider
+
+    generic = (gpt_provider.default_layer_spec, gpt_provider.transformer_engine_layer_spec,
+               gpt_provider.local_layer_spec)
+    current = provider.transformer_layer_spec
+    if any(current is spec for spec in generic):
+        provider.transformer_layer_spec = (gpt_provider.transformer_engine_layer_spec
+                                           if layer_spec == "te" else gpt_provider.local_layer_spec)
+        return layer_spec
+    # Gemma2/3, OLMoE, DeepSeek (MLA, first-k dense layers), ...: the spec is the architecture.
+    return f"bridge:{_spec_name(current)}"
+
+
+def _spec_name(spec) -> str:
+    func = getattr(spec, "func", spec)  # functools.partial
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _check_spec_without_te(provider, architecture: str) -> None:
+    """A bridge's own layer spec that builds transformer-engine modules cannot run without TE:
+    say so by architecture instead of failing deep inside the model build."""
+    if compat.te_available():
+        return
+    spec = provider.transformer_layer_spec
+    if callable(spec) and not hasattr(spec, "submodules"):
+        import inspect
+
+        try:
+            takes_vp = "vp_stage" in inspect.signature(spec).parameters
+            spec = spec(provider, vp_stage=0) if takes_vp else spec(provider)
+        except Exception:  # noqa: BLE001 - let the model build report its own error
+            return
+    te_modules = sorted(_te_modules(spec))
+    if te_modules:
+        raise ValueError(
+            f"{architecture}: Megatron-Bridge's layer spec for this architecture "
+            f"({_spec_name(provider.transformer_layer_spec)}) is built from transformer-engine "
+            f"modules ({', '.join(te_modules)}), and transformer-engine does not import here; "
+            "this architecture needs a machine with transformer-engine")
+
+
+def _te_modules(spec) -> set[str]:
+    """Names of the transformer-engine classes a (block or layer) ``ModuleSpec`` refers to."""
+    import dataclasses
+    import functools
+
+    found: set[str] = set()
+    stack, seen = [spec], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or item is None:
+            continue
+        seen.add(id(item))
+        if isinstance(item, type):
+            if any(_is_te_module(cls) for cls in item.__mro__):
+                found.add(item.__name__)
+        elif isinstance(item, functools.partial):
+            stack += [item.func, *item.args, *item.keywords.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += list(item)
+        elif isinstance(item, dict):
+            stack += list(item.values())
+        elif dataclasses.is_dataclass(item):
+            stack += [getattr(item, f.name) for f in dataclasses.fields(item)]
+        elif hasattr(item, "module") and hasattr(item, "submodules"):  # ModuleSpec
+            stack += [item.module, item.submodules, getattr(item, "params", None)]
+    return found
+
+
+def _is_te_module(cls: type) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    return ("transformer_engine" in module or module.endswith(".te_layers")
+            or module.startswith("transformer_engine"))
 
 
 def _check_pipeline_comm(provider, parallel: ParallelConfig) -> None:

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-Architecture = Literal["llama", "qwen2"]
+Architecture = Literal["llama", "qwen2", "qwen3_moe", "gemma2"]
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 # Digits, letters, punctuation and space: enough for arithmetic and sorting prompts.
@@ -37,8 +37,15 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
+    # qwen3_moe: routed experts per layer, experts per token, and each expert's MLP width.
+    num_experts: int = 8
+    num_experts_per_token: int = 2
+    moe_intermediate_size: int = 32
 
     def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_token={self.num_experts_per_token} must be in "
+                             f"[1, num_experts={self.num_experts}]")
         min_vocab = len(SPECIAL_TOKENS) + len(TOKEN_CHARS)
         if self.vocab_size < min_vocab:
             raise ValueError(f"vocab_size={self.vocab_size} is below the tokenizer's {min_vocab}")
@@ -84,7 +91,16 @@ def build_tokenizer():
 
 
 def _build_hf_model(spec: TinyModelSpec):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(
         hidden_size=spec.hidden_size,
@@ -104,8 +120,20 @@ def _build_hf_model(spec: TinyModelSpec):
         config, model_cls = LlamaConfig(**common), LlamaForCausalLM
     elif spec.architecture == "qwen2":
         config, model_cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif spec.architecture == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **common, head_dim=spec.hidden_size // spec.num_attention_heads,
+            num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1,
+            mlp_only_layers=[], norm_topk_prob=True)
+        model_cls = Qwen3MoeForCausalLM
+    elif spec.architecture == "gemma2":
+        config = Gemma2Config(**common, head_dim=spec.hidden_size // spec.num_attention_heads,
+                              query_pre_attn_scalar=spec.hidden_size // spec.num_attention_heads)
+        model_cls = Gemma2ForCausalLM
     else:
-        raise ValueError(f"unknown tiny architecture {spec.architecture!r} (llama, qwen2)")
+        raise ValueError(f"unknown tiny architecture {spec.architecture!r} "
+                         "(llama, qwen2, qwen3_moe, gemma2)")
     config.architectures = [model_cls.__name__]
     generator = torch.Generator().manual_seed(spec.seed)
     with torch.device("cpu"):

@@ -6,7 +6,13 @@ the caller) and the checkpoint they came from, and checks three things:
 1. every exported tensor equals the checkpoint's tensor bitwise, none missing, none unexpected;
 2. one forward/backward through Megatron's pipeline schedule on a fixed batch gives the loss that
    the Hugging Face model gives on the same batch;
-3. the gradients, exported through the bridge to HF names, match the HF model's gradients.
+3. the gradients, exported through the bridge to HF names, match the HF model's gradients, for
+   every HF parameter: a parameter whose gradient the export does not yield (or an exported
+   gradient the HF model has no parameter for) fails the check by name. transformers' fused
+   expert tensors are compared expert by expert (:mod:`mcore_refit.hf_experts`).
+
+Mixture-of-experts models are built without the router's auxiliary losses
+(``model.moe_aux_loss_coeff: 0``, the default), so both sides minimise the same loss.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from mcore_refit import distributed
 from mcore_refit.config import ModelConfig, ParallelConfig
+from mcore_refit.hf_experts import expert_views
 from mcore_refit.model import ModelChunks, build_model
 from mcore_refit.pipeline import MicroBatch, broadcast_from_last_stage, forward_backward
 
@@ -51,11 +58,19 @@ class ExportReport:
     device: str
     dtype: str
     worst_grad: str | None = None
+    ep: int = 1
+    # Gradients compared with the HF model's (one per HF parameter, experts one by one); HF
+    # parameters whose gradient the export did not yield; exported gradients of no HF parameter.
+    grads_compared: int = 0
+    grads_missing: list[str] = dataclasses.field(default_factory=list)
+    grads_unexpected: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         tolerance = TOLERANCES[self.dtype]
         return (not self.mismatched and not self.missing and not self.unexpected
+                and not self.grads_missing and not self.grads_unexpected
+                and self.grads_compared > 0
                 and self.loss_max_abs_diff <= tolerance["loss"]
                 and self.grad_max_abs_diff <= tolerance["grad"])
 
@@ -141,6 +156,10 @@ def verify_export(model: ModelChunks, *, micro_batches: list[MicroBatch],
         device=device.type,
         dtype=model.model_config.dtype,
         worst_grad=worst,
+        ep=parallel.expert,
+        grads_compared=len(grad_diffs),
+        grads_missing=sorted(set(ref_grads) - set(grads)),
+        grads_unexpected=sorted(set(grads) - set(ref_grads)),
     )
 
 
@@ -213,7 +232,8 @@ def _export_gradients(model: ModelChunks) -> dict[str, torch.Tensor]:
 
 def _hf_losses_and_gradients(hf_path: str, micro_batches: list[MicroBatch],
                              device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The HF model's per-micro-batch loss and gradients (fp32) for the same objective."""
+    """The HF model's per-micro-batch loss and gradients (fp32) for the same objective, one per
+    HF parameter (zeros for a parameter the batch did not reach; fused experts one by one)."""
     hf_model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).to(device)
     hf_model.train()
     losses = []
@@ -224,8 +244,9 @@ def _hf_losses_and_gradients(hf_path: str, micro_batches: list[MicroBatch],
                                                  micro_batch["labels"].flatten())
         (loss / len(micro_batches)).backward()
         losses.append(loss.detach())
-    grads = {name: param.grad.detach().float().cpu()
-             for name, param in hf_model.named_parameters() if param.grad is not None}
+    grads = {name: (param.grad if param.grad is not None else torch.zeros_like(param))
+             .detach().float().cpu() for name, param in hf_model.named_parameters()}
+    grads = {name: grad.clone() for name, grad in expert_views(grads.items())}
     if hf_model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
     return torch.stack(losses).cpu(), grads

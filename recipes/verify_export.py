@@ -1,6 +1,7 @@
 """Does my model and layout convert exactly? Export and gradient parity against Hugging Face.
 
     torchrun --nproc-per-node N recipes/verify_export.py --hf-path DIR --tp T --pp P [--vpp V]
+        [--ep E]
 
 Builds the Megatron model from the checkpoint with the given layout, exports it through
 Megatron-Bridge and compares every tensor with the checkpoint's, then runs one forward/backward
@@ -29,15 +30,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog=(
             "Pass criteria: every exported tensor bitwise equal to the checkpoint's (cast to "
             "--dtype when the checkpoint is stored in another dtype), none missing "
-            "or unexpected, and max |loss diff| and max |grad diff| (elementwise, over all "
-            f"parameters) within the tolerance of --dtype ({tolerances}). The HF reference "
-            "always runs in float32."
+            "or unexpected; a gradient compared for every HF parameter (fused MoE experts one "
+            "by one), none missing or unexpected; and max |loss diff| and max |grad diff| "
+            f"(elementwise, over all parameters) within the tolerance of --dtype ({tolerances}). "
+            "The HF reference always runs in float32; MoE routers' auxiliary losses are off."
         ),
     )
     parser.add_argument("--hf-path", required=True, help="Hugging Face checkpoint directory")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size (mixture-of-experts models)")
     parser.add_argument("--dtype", choices=typing.get_args(Dtype), default="float32",
                         help="Megatron parameter dtype (the checkpoint is cast to it)")
     parser.add_argument("--layer-spec", choices=("auto", "te", "local"), default="auto")
@@ -53,7 +57,8 @@ def main(argv: list[str]) -> int:
     from mcore_refit import distributed
     from mcore_refit.verify import verify_layout
 
-    parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, virtual_pipeline=args.vpp)
+    parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, virtual_pipeline=args.vpp,
+                              expert=args.ep)
     model_config = ModelConfig(hf_path=args.hf_path, dtype=args.dtype,
                                layer_spec=args.layer_spec)
     context = distributed.init_distributed(
@@ -72,7 +77,9 @@ def main(argv: list[str]) -> int:
         verdict = "PASS" if report.passed else "FAIL"
         print(f"verify_export {verdict}: {report.tensors} tensors, "
               f"loss diff {report.loss_max_abs_diff:.3e}, grad diff {report.grad_max_abs_diff:.3e} "
-              f"(worst {report.worst_grad})", file=sys.stderr)
+              f"(worst {report.worst_grad}), {report.grads_compared} gradients compared"
+              + (f", not compared: {report.grads_missing}" if report.grads_missing else ""),
+              file=sys.stderr)
         print(json.dumps(report.as_dict()), flush=True)
     return 0 if report.passed else 1
 
