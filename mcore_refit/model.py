@@ -339,21 +339,27 @@ def _check_spec_without_te(provider, architecture: str) -> None:
     te_modules = sorted(_te_modules(spec))
     if te_modules:
         raise ValueError(
-            f"{architecture}: Megatron-Bridge's layer spec for this architecture "
-            f"({_spec_name(provider.transformer_layer_spec)}) is built from transformer-engine "
-            f"modules ({', '.join(te_modules)}), and transformer-engine does not import here; "
-            "this architecture needs a machine with transformer-engine")
+            f"{architecture}: Megatron-Bridge's own layer spec for this architecture "
+            f"({_spec_name(provider.transformer_layer_spec)}) builds transformer-engine modules "
+            f"({', '.join(te_modules)}), and transformer-engine does not import here; this "
+            "architecture needs a machine with transformer-engine")
 
 
 def _te_modules(spec) -> set[str]:
-    """Names of the transformer-engine classes a (block or layer) ``ModuleSpec`` refers to."""
+    """Where a (block or layer) ``ModuleSpec`` refers to transformer-engine: TE classes by name,
+    and the submodule slots holding megatron's stand-ins for TE classes when TE is absent
+    (``MagicMock`` objects, e.g. ``TELayerNormColumnParallelLinear`` imported by Gemma2's spec)."""
     import dataclasses
     import functools
+    from unittest import mock
 
     found: set[str] = set()
-    stack, seen = [spec], set()
+    stack, seen = [("spec", spec)], set()
     while stack:
-        item = stack.pop()
+        label, item = stack.pop()
+        if isinstance(item, mock.NonCallableMock):
+            found.add(label)
+            continue
         if id(item) in seen or item is None:
             continue
         seen.add(id(item))
@@ -361,22 +367,22 @@ def _te_modules(spec) -> set[str]:
             if any(_is_te_module(cls) for cls in item.__mro__):
                 found.add(item.__name__)
         elif isinstance(item, functools.partial):
-            stack += [item.func, *item.args, *item.keywords.values()]
+            stack += [(label, v) for v in (item.func, *item.args, *item.keywords.values())]
         elif isinstance(item, (list, tuple)):
-            stack += list(item)
+            stack += [(label, v) for v in item]
         elif isinstance(item, dict):
-            stack += list(item.values())
+            stack += [(key, v) for key, v in item.items()]
         elif dataclasses.is_dataclass(item):
-            stack += [getattr(item, f.name) for f in dataclasses.fields(item)]
+            stack += [(f.name, getattr(item, f.name)) for f in dataclasses.fields(item)]
         elif hasattr(item, "module") and hasattr(item, "submodules"):  # ModuleSpec
-            stack += [item.module, item.submodules, getattr(item, "params", None)]
+            stack += [(label, item.module), (label, item.submodules),
+                      (label, getattr(item, "params", None))]
     return found
 
 
 def _is_te_module(cls: type) -> bool:
     module = getattr(cls, "__module__", "") or ""
-    return ("transformer_engine" in module or module.endswith(".te_layers")
-            or module.startswith("transformer_engine"))
+    return "transformer_engine" in module or module.endswith(".te_layers")
 
 
 def _check_pipeline_comm(provider, parallel: ParallelConfig) -> None:

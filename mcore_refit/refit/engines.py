@@ -2,7 +2,8 @@
 
 :class:`NamedTensorEngine` is the ``load_weights`` / ``get_weight`` convention over a mapping of
 name → tensor. :class:`HFModelEngine` applies it to a Hugging Face ``transformers`` model (its
-parameters and buffers by state-dict name, tied weights under every name they have);
+parameters and buffers by state-dict name, tied weights under every name they have, fused MoE
+experts under their per-expert checkpoint names);
 :class:`TensorDictEngine` holds preallocated tensors (benchmarks, tests).
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from mcore_refit.hf_experts import ExpertSlice, expert_slices
 from mcore_refit.refit.plan import Region, TensorSpec
 
 
@@ -69,13 +71,16 @@ class NamedTensorEngine:
                 torch._foreach_copy_(destinations, sources)
 
     def get_weight(self, name: str) -> torch.Tensor:
-        target = self._targets.get(name)
+        target = self._lookup(name)
         if target is None:
             raise ValueError(f"unknown weight name {name!r} in {self._description}")
         return target.detach()
 
+    def _lookup(self, name: str) -> torch.Tensor | None:
+        return self._targets.get(name)
+
     def _target(self, name: str) -> torch.Tensor:
-        target = self._targets.get(name)
+        target = self._lookup(name)
         if target is None:
             raise ValueError(f"unknown weight name {name!r}: {self._description} has no "
                              "parameter or buffer of that name")
@@ -98,9 +103,28 @@ class TensorDictEngine(NamedTensorEngine):
 
 
 class HFModelEngine(NamedTensorEngine):
-    """A Hugging Face ``transformers`` model as a refit target, by state-dict name."""
+    """A Hugging Face ``transformers`` model as a refit target, by state-dict name.
+
+    transformers holds a MoE layer's experts fused (``mlp.experts.gate_up_proj``,
+    ``down_proj``); the trainer exports them expert by expert under the checkpoint's names
+    (``mlp.experts.3.gate_proj.weight``), which are written into their rows of the fused
+    parameter (a view made at each lookup, so it follows the parameter's ``.data`` when the
+    engine releases and reacquires its memory).
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model.state_dict(keep_vars=True),
-                         description=f"the {type(model).__name__} model")
+        state = model.state_dict(keep_vars=True)
+        super().__init__(state, description=f"the {type(model).__name__} model")
         self.model = model
+        self._experts: dict[str, ExpertSlice] = {}
+        for name, tensor in state.items():
+            self._experts.update(expert_slices(name, tuple(tensor.shape)))
+
+    def _lookup(self, name: str) -> torch.Tensor | None:
+        target = self._targets.get(name)
+        if target is not None:
+            return target
+        where = self._experts.get(name)
+        if where is None:
+            return None
+        return where.view(self._targets[where.fused].detach())

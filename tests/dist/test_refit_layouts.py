@@ -88,3 +88,21 @@ def test_tp2_pp2_vpp2_on_four_trainer_ranks_both_placements(tmp_path):
                  layouts=["llama8_tp2_pp2_vpp2"], timeout_s=230)
     assert len(split["llama8_tp2_pp2_vpp2"]["rank4"]["checks"]) == 2
     _check_receiving(split, sources=[0, 1, 2, 3])
+
+
+@pytest.mark.timeout(600)
+def test_moe_into_the_hf_engine_both_placements(tmp_path):
+    """Qwen3-MoE (8 experts) at EP2 and PP2 refits into the HF model itself: every per-expert
+    tensor lands in its rows of transformers' fused expert tensors, bitwise, read back by name;
+    each EP rank sends the experts it holds."""
+    layouts = ["moe_ep2", "moe_pp2"]
+    split = _run(tmp_path / "split", nproc=3, placement="non_colocated", layouts=layouts,
+                 timeout_s=290)
+    assert sorted(split) == layouts
+    for ranks in split.values():
+        assert len(ranks["rank2"]["checks"]) == 2
+    _check_receiving(split, sources=[0, 1])
+    colocated = _run(tmp_path / "colocated", nproc=2, placement="colocated", layouts=layouts,
+                     timeout_s=290)
+    _check_receiving(colocated, sources=[0, 1])
+    assert _kinds(split) == _kinds(colocated) == {"compiled"}

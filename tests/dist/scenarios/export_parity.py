@@ -25,6 +25,13 @@ CHECKPOINTS = {
     "qwen2": TinyModelSpec(architecture="qwen2", num_layers=4),
     "qwen2_tied": TinyModelSpec(architecture="qwen2", num_layers=4, tie_word_embeddings=True),
 }
+# Mixture of experts (8 experts, top-2) and an architecture whose bridge brings its own layer
+# spec; written only when a scenario needs them.
+MOE_CHECKPOINTS = {
+    "qwen3_moe": TinyModelSpec(architecture="qwen3_moe", num_layers=4, num_experts=8,
+                               num_experts_per_token=2),
+    "gemma2": TinyModelSpec(architecture="gemma2", num_layers=4, tie_word_embeddings=True),
+}
 
 LAYOUTS = {
     "llama8_tp2": ("llama8", ParallelConfig(tensor=2), "float32"),
@@ -42,6 +49,15 @@ LAYOUTS = {
     "llama8_tp2_pp2_vpp2_bf16": ("llama8",
                                  ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2),
                                  "bfloat16"),
+}
+# Not run by default: launch with --only (2 ranks: TP1 (DP2), PP2, PP2×VPP2, EP2; 4 ranks:
+# EP2×PP2).
+MOE_LAYOUTS = {
+    "moe_tp1": ("qwen3_moe", ParallelConfig(), "float32"),
+    "moe_pp2": ("qwen3_moe", ParallelConfig(pipeline=2), "float32"),
+    "moe_pp2_vpp2": ("qwen3_moe", ParallelConfig(pipeline=2, virtual_pipeline=2), "float32"),
+    "moe_ep2": ("qwen3_moe", ParallelConfig(expert=2), "float32"),
+    "moe_ep2_pp2": ("qwen3_moe", ParallelConfig(expert=2, pipeline=2), "float32"),
 }
 
 
@@ -145,13 +161,26 @@ def _source_norm(export, plan, control) -> list[float]:
     return next(v for v in control.all_gather_json(found, what="the norm") if v is not None)
 
 
+def gemma2_error(path, device) -> str | None:
+    """Gemma2's bridge brings its own layer spec, built from transformer-engine modules: without
+    TE the verifier must stop with an error naming the architecture (None: it built)."""
+    from mcore_refit.verify import verify_layout
+
+    try:
+        verify_layout(ModelConfig(hf_path=str(path)), ParallelConfig(), device=device, seed=1234)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", nargs="*", default=None, choices=sorted(LAYOUTS))
+    parser.add_argument("--only", nargs="*", default=None,
+                        choices=sorted({**LAYOUTS, **MOE_LAYOUTS}))
     parser.add_argument("--checks", nargs="*", default=["corrupted", "fresh"],
-                        choices=("corrupted", "fresh"))
+                        choices=("corrupted", "fresh", "gemma2"))
     parser.add_argument("--corrupt-layout", default="llama8_pp2_vpp2", choices=sorted(LAYOUTS))
     args = parser.parse_args()
     context = distributed.init_distributed(rank=int(os.environ["RANK"]),
@@ -163,13 +192,16 @@ def main():
     from mcore_refit.verify import verify_layout
 
     workdir = Path(args.workdir)
+    layouts = {**LAYOUTS, **MOE_LAYOUTS}
+    needed = {layouts[name][0] for name in only} | ({"gemma2"} & set(args.checks))
     if context.rank == 0:
-        for name, spec in CHECKPOINTS.items():
-            write_tiny_checkpoint(workdir / name, spec)
+        for name, spec in {**CHECKPOINTS, **MOE_CHECKPOINTS}.items():
+            if name in CHECKPOINTS or name in needed:
+                write_tiny_checkpoint(workdir / name, spec)
     dist.barrier()
     results = {}
     try:
-        for scenario, (checkpoint, parallel, dtype) in LAYOUTS.items():
+        for scenario, (checkpoint, parallel, dtype) in layouts.items():
             if scenario not in only:
                 continue
             model_config = ModelConfig(hf_path=str(workdir / checkpoint), dtype=dtype)
@@ -179,6 +211,8 @@ def main():
             checkpoint, parallel, _ = LAYOUTS[args.corrupt_layout]
             results["corrupted"] = corrupted_weight_is_caught(workdir / checkpoint,
                                                               context.device, parallel)
+        if "gemma2" in args.checks:
+            results["gemma2"] = gemma2_error(workdir / "gemma2", context.device)
         if "fresh" in args.checks:
             results["fresh"] = export_reads_current_parameters(workdir / "llama8",
                                                                context.device)

@@ -10,6 +10,10 @@ weights change in between, so stale bytes would show).
 - ``--placement colocated``: every rank trains and refits an engine in a thread of its own
   process over the IPC transport (shared memory); buffers move between trainer ranks first.
 
+Mixture-of-experts layouts (``moe_*``, Qwen3-MoE with 8 experts) refit into the HF model itself
+(:class:`~mcore_refit.refit.HFModelEngine`: per-expert names written into transformers' fused
+expert tensors) and are checked through it by name.
+
 Rank 0 writes ``{layout: {"rank<r>": result}}`` to --out.
 """
 
@@ -29,6 +33,7 @@ from mcore_refit.refit import (
     BroadcastInitInfo,
     BroadcastSender,
     IpcInitInfo,
+    HFModelEngine,
     IpcSender,
     Refitter,
     TensorDictEngine,
@@ -45,7 +50,11 @@ CHECKPOINTS = {
     "llama8_tied": TinyModelSpec(architecture="llama", num_layers=8, tie_word_embeddings=True),
     "qwen2": TinyModelSpec(architecture="qwen2", num_layers=8),
     "qwen2_tied": TinyModelSpec(architecture="qwen2", num_layers=8, tie_word_embeddings=True),
+    "qwen3_moe": TinyModelSpec(architecture="qwen3_moe", num_layers=4, num_experts=8,
+                               num_experts_per_token=2),
 }
+# Checkpoints refitted into the HF model rather than into tensors of the plan's shapes.
+HF_ENGINE = {"qwen3_moe"}
 
 LAYOUTS = {
     "llama8_tp2": ("llama8", ParallelConfig(tensor=2)),
@@ -56,6 +65,8 @@ LAYOUTS = {
     "llama8_tp2_pp2_vpp2": ("llama8", ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2)),
     "qwen2_tied_tp2_pp2_vpp2": ("qwen2_tied",
                                 ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2)),
+    "moe_ep2": ("qwen3_moe", ParallelConfig(expert=2)),
+    "moe_pp2": ("qwen3_moe", ParallelConfig(pipeline=2)),
 }
 
 CPU = torch.device("cpu")
@@ -95,7 +106,8 @@ def main() -> None:
     args = parser.parse_args()
     SkippingExport.skipped = frozenset(args.no_probe)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    trainers = max(LAYOUTS[name][1].model_parallel_size for name in args.layouts)
+    trainers = max(LAYOUTS[name][1].model_parallel_size * LAYOUTS[name][1].expert
+                   for name in args.layouts)
     workdir = Path(args.workdir)
     if args.placement == "colocated":
         context = distributed.init_distributed(rank=rank, world_size=world, local_rank=rank)
@@ -118,7 +130,7 @@ def main() -> None:
         elif job.is_trainer:
             results[name] = trainer(path, parallel, job=job)
         else:
-            results[name] = receiver(job)
+            results[name] = receiver(job, path)
     gathered = share(results, job, rank)
     if rank == 0:
         Path(args.out).write_text(json.dumps(gathered))
@@ -150,6 +162,19 @@ def reference(model) -> tuple[list[str], torch.Tensor]:
         names.append(name)
         rows.append(digester.digest(tensor.detach().cpu()))
     return names, torch.stack(rows)
+
+
+def make_engine(path: Path, specs, device: torch.device):
+    """The HF model of ``path`` (MoE checkpoints) or zero tensors of the plan's shapes."""
+    if path.name not in HF_ENGINE:
+        return TensorDictEngine.from_specs(specs, device=device)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()  # the refit must fill every weight
+    return HFModelEngine(model)
 
 
 def bump(model) -> None:
@@ -190,7 +215,7 @@ def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
         distributed.destroy_model_parallel()
 
 
-def receiver(job) -> dict:
+def receiver(job, path: Path) -> dict:
     """An inference rank: takes the trainers' plan, receives two refits, checks each against
     Bridge's export."""
     control = ControlGroup(job.refit_control, timeout_s=120)
@@ -198,7 +223,7 @@ def receiver(job) -> dict:
                              control=control, data_groups=job.data_groups)
     receiver_ = info.connect(device=job.context.device, options=OPTIONS, plan=None)
     receiver_.prepare()
-    engine = TensorDictEngine.from_specs(receiver_.plan.specs(), device=job.context.device)
+    engine = make_engine(path, receiver_.plan.specs(), job.context.device)
     checks = []
     for _ in range(2):
         telemetry = receiver_.receive(engine)
@@ -225,7 +250,7 @@ def colocated(path: Path, parallel: ParallelConfig, *, context) -> dict:
         sender = IpcSender(plan=plan, device=context.device, options=options,
                            cpu_device_id=f"layouts{os.getppid()}-rank{context.rank}",
                            trainers=dist.group.WORLD, control=control, rank=context.rank)
-        engine = TensorDictEngine.from_specs(plan.specs(), device=context.device)
+        engine = make_engine(path, plan.specs(), context.device)
         served: list = []
 
         def serve():
