@@ -80,19 +80,24 @@ class SequenceBatch:
 
 
 def build_micro_batches(batch: SequenceBatch, bins: Sequence[Sequence[int]], *,
-                        pad_to_multiple: int, device: torch.device) -> list[MicroBatch]:
+                        pad_to_multiple: int, device: torch.device,
+                        shape_bins: Sequence[Sequence[int]] | None = None) -> list[MicroBatch]:
     """One micro-batch per bin, one row per sequence, all padded to one ``[rows, seq]`` shape.
 
-    ``rows`` is the largest bin and ``seq`` the longest sequence in any of ``bins``, rounded up to
-    ``pad_to_multiple``; rows without a sequence are all padding. Each micro-batch holds
+    ``rows`` is the largest bin and ``seq`` the longest sequence in any of ``shape_bins``
+    (default: ``bins``), rounded up to ``pad_to_multiple``; rows without a sequence are all
+    padding. Passing every data-parallel rank's bins as ``shape_bins`` gives every rank the same
+    shape (megatron-core's allgather MoE token dispatcher gathers equal shapes over the
+    expert-parallel ranks). Each micro-batch holds
     ``tokens``, ``labels``, ``position_ids``, ``valid_mask`` (1.0 at positions ``1 ≤ t < length``,
     the positions that have a log-probability), ``loss_mask`` (``valid_mask`` times the batch's
     mask) and the batch fields.
     """
     assert bins and all(bins), "every micro-batch needs at least one sequence"
     lengths = batch.lengths.cpu()
-    num_rows = max(len(b) for b in bins)
-    seq_len = max(int(lengths[list(b)].max()) for b in bins)
+    shape_bins = shape_bins if shape_bins is not None else bins
+    num_rows = max(len(b) for b in shape_bins)
+    seq_len = max(int(lengths[list(b)].max()) for b in shape_bins)
     seq_len = -(-seq_len // pad_to_multiple) * pad_to_multiple
     positions = torch.arange(seq_len)
     micro_batches = []

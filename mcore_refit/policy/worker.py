@@ -310,8 +310,11 @@ class Policy:
         pad_to_multiple = self.config.packing.pad_to_multiple
         if self.model.parallel.sequence_parallel:
             pad_to_multiple = math.lcm(pad_to_multiple, self._ranks.tp_size)
+        # Expert-parallel ranks exchange tokens inside every MoE layer: one shape on all of them.
+        shape_bins = plan.bins if self._ranks.ep_size > 1 else None
         return build_micro_batches(batch, plan.bins_for_rank(self._ranks.dp_rank),
-                                   pad_to_multiple=pad_to_multiple, device=self.device)
+                                   pad_to_multiple=pad_to_multiple, device=self.device,
+                                   shape_bins=shape_bins)
 
     def _loss(self, loss_fn: LossFunction):
         """Megatron's loss_func: logits → token-aligned logprobs → ``loss_fn``."""
