@@ -28,7 +28,7 @@ from mcore_refit import distributed
 from mcore_refit.bench.colocated import ColocatedBench, run_colocated
 from mcore_refit.bench.config import BenchLayout, RefitBenchJob, check_layout
 from mcore_refit.bench.results import ModeResult, emit, summarize
-from mcore_refit.bench.sources import build_sources
+from mcore_refit.bench.sources import PRESETS, build_sources
 from mcore_refit.bench.split import SplitBench, run_split
 from mcore_refit.control import ControlGroup
 
@@ -86,12 +86,25 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
 
 def report(job: RefitBenchJob, layout: BenchLayout, results: list[ModeResult]) -> int:
     """Print (and append to ``bench.output``) a line per mode and the summary; the exit code."""
+    model = _model_description(job)
     where = {"source": job.bench.source, "placement": layout.placement,
-             "layout": layout.as_dict()}
+             "layout": layout.as_dict(), **model}
     for result in results:
         emit({**where, **result.as_dict()}, job.bench.output)
     summary = summarize(results, source=job.bench.source, placement=layout.placement,
                         targets=job.bench.targets,
                         alignment_bytes=job.refit.plan.alignment_bytes)
-    emit({**summary, "layout": layout.as_dict()}, job.bench.output)
+    emit({**summary, "layout": layout.as_dict(), **model}, job.bench.output)
     return 0 if summary["all_verified"] and not any(r.error for r in results) else 1
+
+
+def _model_description(job: RefitBenchJob) -> dict:
+    """For a Megatron preset: which one, and at how many of its layers (a preset larger than
+    the GPUs runs at fewer layers, and the output says so)."""
+    megatron = job.megatron
+    if job.bench.source != "megatron" or megatron.hf_path is not None:
+        return {}
+    depth = PRESETS[megatron.preset][1]["num_hidden_layers"]
+    layers = megatron.num_layers if megatron.num_layers is not None else depth
+    return {"model": {"preset": megatron.preset, "num_layers": layers, "preset_layers": depth,
+                      "full_depth": layers == depth}}

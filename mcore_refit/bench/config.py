@@ -15,7 +15,7 @@ from mcore_refit.refit.config import RefitConfig
 Mode = Literal["raw_link", "naive", "single_buffer", "engine", "export_alone", "transport_alone",
                "bridge_export", "bridge_export_alone", "shared_weights"]
 SourceName = Literal["dense_8b", "moe_30b_a3b", "tiny", "megatron"]
-Preset = Literal["llama3_8b", "qwen3_30b_a3b", "tiny_llama"]
+Preset = Literal["llama3_8b", "qwen3_30b_a3b", "tiny_llama", "tiny_qwen3_moe"]
 
 # Modes that need the Megatron source (they measure Megatron-Bridge's own export).
 BRIDGE_MODES = ("bridge_export", "bridge_export_alone")
@@ -114,8 +114,8 @@ class MegatronSourceConfig:
     load_weights: bool = False
     dtype: Dtype = "bfloat16"
     layer_spec: LayerSpec = "auto"
-    # Tensor / pipeline / virtual-pipeline sizes; bench.num_trainer_ranks must be a multiple of
-    # tensor × pipeline.
+    # Tensor / pipeline / virtual-pipeline / expert sizes; bench.num_trainer_ranks must be a
+    # multiple of tensor × pipeline × expert.
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -157,6 +157,8 @@ class BenchLayout:
             layout.update(tp=self.parallel.tensor, pp=self.parallel.pipeline,
                           vpp=self.parallel.virtual_pipeline,
                           dp=self.parallel.data_parallel_size(self.num_trainer_ranks))
+            if self.parallel.expert > 1:
+                layout["ep"] = self.parallel.expert
         return layout
 
 
@@ -178,6 +180,11 @@ def check_layout(job: RefitBenchJob, *, world_size: int) -> BenchLayout:
                          f"megatron.parallel tensor × pipeline = {parallel.tensor} × "
                          f"{parallel.pipeline} (the trainer ranks hold the whole model, data "
                          f"parallelism takes the rest)")
+    if megatron and trainers % (parallel.model_parallel_size * parallel.expert) != 0:
+        raise ValueError(f"bench.num_trainer_ranks={trainers} must be a multiple of "
+                         f"megatron.parallel tensor × pipeline × expert = {parallel.tensor} × "
+                         f"{parallel.pipeline} × {parallel.expert} (expert parallelism splits "
+                         "the data-parallel ranks)")
     layout = dict(num_trainer_ranks=trainers, parallel=parallel if megatron else None)
     if job.refit.mode == "colocated" or bench.trainer_only:
         placement = "colocated" if job.refit.mode == "colocated" else "trainer_only"

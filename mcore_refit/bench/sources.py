@@ -36,6 +36,12 @@ PRESETS = {
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
         tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    # Qwen3-30B-A3B's structure at toy size (CPU tests): 8 experts, top-2.
+    "tiny_qwen3_moe": ("Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, vocab_size=128, max_position_embeddings=256,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, decoder_sparse_step=1, mlp_only_layers=[])),
 }
 
 

@@ -156,3 +156,24 @@ def test_a_bad_override_fails_before_any_rank_starts_work():
     with pytest.raises(AssertionError, match="bench.modes must be distinct entries of raw_link"):
         run_torchrun(RECIPE, "--config", str(CONFIG), "bench.modes=[engine, engine]", nproc=1,
                      timeout_s=60)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_moe_ep2_each_expert_rank_sends_its_experts():
+    """The tiny Qwen3-MoE preset at EP2 on 2 trainer ranks -> 1 inference rank: every expert
+    leaves from the rank that holds it, verified bit for bit; the output names the preset and
+    its depth."""
+    modes, summary = bench("bench.source=megatron", "bench.num_trainer_ranks=2",
+                           "megatron.preset=tiny_qwen3_moe", "megatron.parallel.expert=2",
+                           "bench.modes=[engine, transport_alone, bridge_export]", nproc=3,
+                           timeout_s=290)
+    assert summary["layout"] == {"trainer_ranks": 2, "inference_ranks": 1, "tp": 1, "pp": 1,
+                                 "vpp": None, "dp": 2, "ep": 2}
+    assert summary["model"] == {"preset": "tiny_qwen3_moe", "num_layers": 4,
+                                "preset_layers": 4, "full_depth": True}
+    # 4 layers × (4 attention + 2 qk norms + 2 norms + router + 8 experts × 3) + 3.
+    for mode in ("engine", "transport_alone"):
+        assert modes[mode]["num_tensors"] == 135
+        assert modes[mode]["num_sources"] == 2
+    assert modes["bridge_export"]["num_tensors"] == 135
+    assert modes["bridge_export"]["num_sources"] == 1
