@@ -40,7 +40,8 @@ def test_load_yaml_with_overrides(tmp_path):
     ({"model": {"hf_path": "/c"}, "parallell": {}},
      "unknown config key 'parallell' (known keys: learning_rates, model, parallel, seed)"),
     ({"model": {"hf_path": "/c", "dtyp": "float32"}},
-     "unknown config key 'model.dtyp' (known keys: dtype, hf_path, layer_spec, load_weights)"),
+     "unknown config key 'model.dtyp' (known keys: dtype, hf_path, layer_spec, load_weights, "
+     "moe_aux_loss_coeff)"),
     ({}, "missing required config key 'model'"),
     ({"model": {}}, "missing required config key 'model.hf_path'"),
     ({"model": {"hf_path": "/c", "dtype": "fp8"}},
@@ -78,11 +79,39 @@ def test_bad_override_and_bad_file(tmp_path):
         load_config(JobConfig, path)
 
 
-def layout_error(parallel, world_size=2, layers=8, heads=4, groups=2):
+def layout_error(parallel, world_size=2, layers=8, heads=4, groups=2, experts=None):
     with pytest.raises(ValueError) as error:
         parallel.validate_for_model(world_size=world_size, num_layers=layers,
-                                    num_attention_heads=heads, num_query_groups=groups)
+                                    num_attention_heads=heads, num_query_groups=groups,
+                                    num_experts=experts)
     return str(error.value)
+
+
+def test_expert_layouts_rejected_before_building():
+    assert layout_error(ParallelConfig(expert=2), world_size=3, experts=8) == (
+        "world size 3 is not divisible by parallel.tensor × parallel.pipeline × "
+        "parallel.expert = 1 × 1 × 2; launch a multiple of 2 ranks or lower parallel.expert")
+    assert layout_error(ParallelConfig(expert=2, pipeline=2), world_size=2, experts=8) == (
+        "world size 2 is not divisible by parallel.tensor × parallel.pipeline × "
+        "parallel.expert = 1 × 2 × 2; launch a multiple of 4 ranks or lower parallel.expert")
+    assert layout_error(ParallelConfig(expert=2)) == (
+        "parallel.expert=2 needs a mixture-of-experts model; this one has no experts "
+        "(set parallel.expert: 1)")
+    assert layout_error(ParallelConfig(expert=4), world_size=4, experts=6) == (
+        "parallel.expert=4 must divide the model's 6 experts per layer")
+    assert layout_error(ParallelConfig(tensor=2), experts=8) == (
+        "a mixture-of-experts model at parallel.tensor=2 needs parallel.sequence_parallel: true "
+        "(megatron-core's MoELayer requires it with tensor parallelism), and sequence "
+        "parallelism needs the transformer-engine layer spec")
+    with pytest.raises(ValueError, match=re.escape(
+            "parallel.expert must be a positive integer, got 0")):
+        from_dict(JobConfig, {"model": {"hf_path": "/c"}, "parallel": {"expert": 0}})
+    with pytest.raises(ValueError, match=re.escape(
+            "model.moe_aux_loss_coeff must be ≥ 0, got -0.001")):
+        from_dict(JobConfig, {"model": {"hf_path": "/c", "moe_aux_loss_coeff": -1e-3}})
+    ParallelConfig(expert=2, pipeline=2).validate_for_model(
+        world_size=4, num_layers=8, num_attention_heads=4, num_query_groups=2, num_experts=8)
+    assert ParallelConfig(expert=2).data_parallel_size(2) == 2
 
 
 def test_layouts_rejected_before_building():
