@@ -66,7 +66,12 @@ def load_checkpoint(path: str | Path, *, model: ModelChunks, optimizer, schedule
 
     for key, chunk in zip(_chunk_keys(len(model)), model.unwrapped(), strict=True):
         chunk.load_state_dict(loaded[key], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    # distrib_optimizer.py:2061 load_parameter_state_from_dp_reshardable (megatron-core 0.19.2)
+    # lacks the @torch.no_grad() of its neighbours, and its copy_ at :1225 into fp32 main params
+    # (views of the model's parameters) then raises "a view of a leaf Variable that requires grad
+    # is being used in an in-place operation" (seen at fp32 with expert parallelism).
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
     _restore_distributed_optimizer_steps(optimizer, loaded["optimizer"])
     # OptimizerParamScheduler.load_state_dict advances from the current count by the saved one.
     scheduler.num_steps = 0

@@ -1,6 +1,7 @@
 """GRPO with a mixture-of-experts policy on CPU: a tiny Qwen3-MoE at expert parallelism 2,
 colocated engines that load per-expert refits into transformers' fused experts; learning, logprob
-agreement, and a resume from an expert-parallel checkpoint."""
+agreement, and a resume from an expert-parallel checkpoint of the distributed optimizer (fp32:
+the case megatron-core's loader failed on without no_grad)."""
 
 import json
 
@@ -23,7 +24,7 @@ def test_moe_ep2_run_learns_matches_the_engine_and_resumes(tmp_path):
                       num_experts_per_token=2))
     out = tmp_path / "run"
     common = ("--config", str(CONFIG), f"model.hf_path={checkpoint}", f"run.output_dir={out}",
-              "run.checkpoint_every=20")
+              "run.checkpoint_every=20", "policy.optimizer.use_distributed_optimizer=true")
     result = run_torchrun(RECIPE, *common, "run.steps=40", nproc=2, timeout_s=420)
     summary = last_json_line(result.stdout)
     assert (summary["steps"], summary["mode"], summary["device"]) == (40, "colocated", "cpu")
