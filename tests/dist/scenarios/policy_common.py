@@ -24,6 +24,7 @@ LAYOUTS = {
     "pp2_vpp2": (ParallelConfig(pipeline=2, virtual_pipeline=2), 2),
     "tp2": (ParallelConfig(tensor=2), 2),
     "tp2_pp2_vpp2": (ParallelConfig(tensor=2, pipeline=2, virtual_pipeline=2), 4),
+    "ep2": (ParallelConfig(expert=2), 2),  # mixture-of-experts checkpoints only
 }
 
 
