@@ -77,3 +77,14 @@ def expert_views(named: Iterable[tuple[str, torch.Tensor]]
             continue
         for expert_name, where in slices.items():
             yield expert_name, where.view(tensor)
+
+
+def loading_options(dtype: torch.dtype) -> dict:
+    """``from_pretrained`` keyword arguments for a model run in ``dtype``.
+
+    transformers' default experts kernel (``grouped_mm``, ``integrations/moe.py``) calls
+    ``torch.nn.functional.grouped_mm``, which expects bfloat16 on CUDA
+    (``torch/_meta_registrations.py``: "Expected inputs of BF16 type"); its per-expert loop
+    (``eager``) runs any dtype, and a dense model ignores the option.
+    """
+    return {} if dtype == torch.bfloat16 else {"experts_implementation": "eager"}

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from mcore_refit import distributed
 from mcore_refit.config import ModelConfig, ParallelConfig
-from mcore_refit.hf_experts import expert_views
+from mcore_refit.hf_experts import expert_views, loading_options
 from mcore_refit.model import ModelChunks, build_model
 from mcore_refit.pipeline import MicroBatch, broadcast_from_last_stage, forward_backward
 
@@ -234,7 +234,8 @@ def _hf_losses_and_gradients(hf_path: str, micro_batches: list[MicroBatch],
                              device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The HF model's per-micro-batch loss and gradients (fp32) for the same objective, one per
     HF parameter (zeros for a parameter the batch did not reach; fused experts one by one)."""
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).to(device)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        hf_path, dtype=torch.float32, **loading_options(torch.float32)).to(device)
     hf_model.train()
     losses = []
     for micro_batch in micro_batches:

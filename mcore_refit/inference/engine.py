@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_refit.config import ConfigError
+from mcore_refit.hf_experts import loading_options
 from mcore_refit.refit.engines import HFModelEngine
 
 
@@ -82,7 +83,8 @@ class InferenceEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(hf_path)
         if self.tokenizer.pad_token_id is None:
             raise ValueError(f"the tokenizer in {hf_path} has no pad token")
-        self.model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            hf_path, dtype=dtype, **loading_options(dtype)).to(self.device)
         self.model.eval()
         self._weights = HFModelEngine(self.model)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
