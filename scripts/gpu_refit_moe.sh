@@ -8,7 +8,7 @@
 #                  needs one trainer rank per engine), with RUNS=colocated_shared on nvidia-h200.
 # Every mode verified bit for bit; the summary line compares the refit with transport_alone (the
 # same bytes from tensors already in memory). Full depth (48 layers) where the GPUs hold it
-# (>= 135 GiB each, H200), else 24 layers; each JSON line's "model" says which.
+# (>= 120 GiB each: H200s), else 24 layers; each JSON line's "model" says which.
 # LAYERS=N forces the depth; RUNS="split_ep2" runs those rows only.
 # Results under ${OUT:-.}/refit_moe: bench.jsonl, summaries.jsonl, rc.txt, errors.txt.
 set -u
@@ -21,7 +21,7 @@ RUNS=${RUNS:-split_ep2 colocated_ep2}
 CONFIG=${CONFIG:-configs/refit_bench.yaml}  # CONFIG=configs/refit_bench_cpu.yaml: a dry run on CPU
 PRESET=${PRESET:-qwen3_30b_a3b}             # PRESET=tiny_qwen3_moe: a dry run on CPU
 LAYERS=${LAYERS:-$(python3 -c 'import torch
-big = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= 135 * 2**30
+big = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
 print(48 if big else 24)')}
 echo "preset $PRESET at $LAYERS layers" >> "$D/rc.txt"
 
