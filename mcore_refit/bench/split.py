@@ -10,6 +10,7 @@ outcome exchange (both span every rank); an export's is the slowest trainer rank
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -202,8 +203,9 @@ def _refit_receiver(bench: SplitBench, mode: str) -> None:
                 telemetry = receiver.receive(engine)
                 if bench.timed(index):
                     timed.append(telemetry.as_dict())
-        except Exception:
-            pass  # the refit failed on every rank: the trainers report it
+        except Exception:  # the refit failed on every rank: the trainers report it
+            print(f"bench: inference rank {split.global_rank}: {mode} refit {index} failed:\n"
+                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
     bench.control.all_gather_json(timed, what=f"the receivers' telemetry of {mode}")
 
 
