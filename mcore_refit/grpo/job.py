@@ -15,6 +15,7 @@ from mcore_refit.control import ControlGroup
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.loop import run_grpo
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
+from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.refit.export import ModelExport
 
@@ -64,13 +65,14 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
 
 
 def build_trainer(config: GRPOJobConfig, device: torch.device) -> tuple[Policy, int]:
-    """Megatron's groups, the policy and the tokenizer's pad token (every trainer rank)."""
+    """Megatron's groups, the policy and the tokenizer's pad token, EOS when it has none
+    (every trainer rank)."""
     from transformers import AutoTokenizer
 
     model_parallel = distributed.init_model_parallel(config.parallel, seed=config.run.seed)
     policy = build_policy(config.model, model_parallel, config.policy, device=device)
-    pad_token_id = AutoTokenizer.from_pretrained(config.model.hf_path).pad_token_id
-    return policy, pad_token_id
+    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
+    return policy, pad_token_id(tokenizer, where=config.model.hf_path)
 
 
 def weight_source(policy: Policy, control_group: dist.ProcessGroup, config: GRPOJobConfig,

@@ -1,7 +1,8 @@
 """The embedded inference engine: a Hugging Face causal LM that samples and scores rollouts.
 
-It generates with a KV cache, temperature and top-p, a stop token and a token budget, and returns
-the sampled token ids with their log-probabilities. Weights arrive only through
+It generates with a KV cache, temperature and top-p (or greedily, for evaluation), a stop token and
+a token budget, and returns the sampled token ids with their log-probabilities and whether the stop
+token or the budget ended each completion. Weights arrive only through
 :meth:`InferenceEngine.load_weights` (the refit engine's target). In colocated mode the engine
 can hand its weight memory back while the trainer trains (:meth:`release_memory`) and take it again
 before the next refit (:meth:`reacquire_memory`); it refuses to generate from weights that no
@@ -34,6 +35,8 @@ class SamplingConfig:
     max_new_tokens: int = 16
     # Token that ends a completion; None means the tokenizer's end-of-sequence token.
     stop_token: str | None = None
+    # Take the most likely token at every step (evaluation); logprobs stay those at temperature.
+    greedy: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -81,8 +84,7 @@ class InferenceEngine:
 
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(hf_path)
-        if self.tokenizer.pad_token_id is None:
-            raise ValueError(f"the tokenizer in {hf_path} has no pad token")
+        self.pad_token_id = pad_token_id(self.tokenizer, where=hf_path)
         self.model = AutoModelForCausalLM.from_pretrained(
             hf_path, dtype=dtype, **loading_options(dtype)).to(self.device)
         self.model.eval()
@@ -181,7 +183,7 @@ class InferenceEngine:
         """Batched sampling with left-padded prompts and a KV cache."""
         batch = len(prompts)
         width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id
+        pad = self.pad_token_id
         input_ids = torch.full((batch, width), pad, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
         for row, ids in enumerate(prompts):
@@ -205,7 +207,8 @@ class InferenceEngine:
             past = output.past_key_values
             scaled = output.logits[:, -1].float() / sampling.temperature
             log_probs = torch.log_softmax(scaled, dim=-1)
-            token = self._draw(log_probs, sampling.top_p)
+            token = (log_probs.argmax(dim=-1) if sampling.greedy
+                     else self._draw(log_probs, sampling.top_p))
             token = torch.where(finished, torch.full_like(token, pad), token)
             out_tokens[:, step] = token
             out_logprobs[:, step] = torch.where(
@@ -221,11 +224,33 @@ class InferenceEngine:
         return out_tokens.cpu(), out_logprobs.cpu(), lengths.tolist(), finished.tolist()
 
     def _draw(self, log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
-        probs = log_probs.exp()
-        if top_p < 1.0:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        probs = top_p_filter(log_probs.exp(), top_p)
         return torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs [rows, vocab]`` with every token outside each row's nucleus set to 0.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches ``top_p`` (always at
+    least one token); the kept probabilities are not renormalised (``torch.multinomial`` does not
+    need it).
+    """
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def pad_token_id(tokenizer, *, where: str) -> int:
+    """The tokenizer's pad token, or its end-of-sequence token when it has none (as verl does).
+
+    Padding never reaches the loss or the sampled text (it sits outside every mask), so any token
+    serves; ``where`` names the tokenizer in the error when it has neither.
+    """
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    raise ValueError(f"the tokenizer in {where} has neither a pad token nor an eos token")
