@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mcore_refit.config import ConfigError, Dtype, ModelConfig, ParallelConfig
-from mcore_refit.grpo.tasks import Operation, check_arithmetic_settings
+from mcore_refit.grpo.rewards import resolve_reward
+from mcore_refit.grpo.tasks import Operation, check_arithmetic_settings, template_fields
 from mcore_refit.inference.engine import SamplingConfig
 from mcore_refit.policy.config import PolicyConfig
 from mcore_refit.refit.config import RefitConfig
@@ -14,7 +15,7 @@ from mcore_refit.refit.config import RefitConfig
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """Where prompts and answers come from."""
+    """Where prompts and answers come from, how prompts are dressed, how answers are scored."""
 
     kind: Literal["arithmetic", "jsonl"] = "arithmetic"
     # arithmetic: operands of up to num_digits digits (at most max_operand when set), answer
@@ -23,17 +24,54 @@ class TaskConfig:
     operation: Operation = "add"
     modulo: int | None = None
     max_operand: int | None = None
-    # jsonl: a file of {"prompt": ..., "answer": ...} lines
+    # jsonl: a file of JSON objects, one per line, with the prompt and the answer under these keys
     path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    # A str.format template for the prompt: {prompt} and, for jsonl, any key of the line.
+    prompt_template: str | None = None
+    # Wrap the (templated) prompt in the tokenizer's chat template as one user turn.
+    chat_template: bool = False
+    # A built-in reward (exact_match, last_number, hash_answer, boxed, digit_match) or
+    # package.module:function, called as function(problem, completion) -> float.
+    reward: str = "exact_match"
 
     def __post_init__(self) -> None:
         if self.kind == "jsonl" and not self.path:
             raise ConfigError("`kind`=jsonl needs `path`")
-        if self.kind == "arithmetic" and self.path is not None:
-            raise ConfigError("`path` is only used with `kind`=jsonl")
         if self.kind == "arithmetic":
+            for key in ("path", "prompt_key", "answer_key"):
+                if getattr(self, key) != TaskConfig.__dataclass_fields__[key].default:
+                    raise ConfigError(f"`{key}` is only used with `kind`=jsonl")
             check_arithmetic_settings(num_digits=self.num_digits, operation=self.operation,
                                       modulo=self.modulo, max_operand=self.max_operand)
+        if self.prompt_template is not None:
+            names = template_fields(self.prompt_template)
+            if self.kind == "arithmetic" and names - {"prompt"}:
+                raise ConfigError(f"`prompt_template` may only use {{prompt}} with "
+                                  f"`kind`=arithmetic, got {sorted(names)}")
+        if self.reward is not None:
+            try:
+                resolve_reward(self.reward)
+            except ValueError as error:
+                raise ConfigError(f"`reward`: {error}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(TaskConfig):
+    """A validation set scored with greedy decoding, one completion per prompt: the same task
+    options as ``task`` (its reward defaults to ``task.reward``)."""
+
+    reward: str | None = None
+    # How many problems: drawn once from the (seeded) task; null takes every line of a jsonl file.
+    num_problems: int | None = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_problems is None and self.kind != "jsonl":
+            raise ConfigError("`num_problems` may only be null with `kind`=jsonl")
+        if self.num_problems is not None and self.num_problems < 1:
+            raise ConfigError(f"`num_problems` must be ≥ 1 or null, got {self.num_problems}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +84,9 @@ class GRPOConfig:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     normalize_advantages: bool = True
+    # The reward of a completion the token budget cut off (no stop token); null scores it as
+    # any other.
+    truncated_reward: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
@@ -90,10 +131,14 @@ class RunConfig:
     # Compare the engine's weights with the trainer's export after every refit (slow; tests).
     verify_refit: bool = False
     tensorboard: bool = True
+    # Score the `eval` set every this many steps (and after the last); 0: after the last only.
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"`steps` must be ≥ 1, got {self.steps}")
+        if self.eval_every < 0:
+            raise ConfigError(f"`eval_every` must be ≥ 0, got {self.eval_every}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"`checkpoint_every` must be ≥ 0, got {self.checkpoint_every}")
 
@@ -108,6 +153,8 @@ class GRPOJobConfig:
     refit: RefitConfig = field(default_factory=RefitConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    # Optional validation set, scored every `run.eval_every` steps.
+    eval: EvalConfig | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -122,6 +169,8 @@ class GRPOJobConfig:
         if self.inference.dtype != self.model.dtype:
             raise ConfigError(f"`inference.dtype`={self.inference.dtype} differs from "
                               f"`model.dtype`={self.model.dtype}; refits copy tensors as exported")
+        if self.run.eval_every > 0 and self.eval is None:
+            raise ConfigError("`run.eval_every` > 0 needs an `eval` section")
         if self.grpo.kl_coef > 0 and not self.policy.reference_model:
             raise ConfigError("`grpo.kl_coef` > 0 needs `policy.reference_model`: true")
         if self.refit.transport.ipc_sharing == "weights":

@@ -1,28 +1,39 @@
-"""Prompts with verifiable answers, and the rewards that score completions against them.
+"""Prompts with verifiable answers.
 
-A task is an iterable source of :class:`Problem` batches; a reward function scores one completion
-against its problem. The built-in :class:`ArithmeticTask` is generated from a seed (no data to
-ship); :class:`JsonlTask` reads users' own ``{"prompt": ..., "answer": ...}`` lines.
+A task is an endless, seeded source of :class:`Problem` batches; a reward function
+(:mod:`mcore_refit.grpo.rewards`) scores one completion against its problem. The built-in
+:class:`ArithmeticTask` is generated from a seed (no data to ship); :class:`JsonlTask` reads users'
+own JSON lines, with the prompt and answer under keys of their choice. :func:`build_task` makes
+either from the config and dresses its prompts (``task.prompt_template``, then the tokenizer's
+chat template when ``task.chat_template`` is set).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from mcore_refit.config import ConfigError
+
+if TYPE_CHECKING:
+    from mcore_refit.grpo.config import TaskConfig
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt and the answer a correct completion contains."""
+    """One prompt and the answer a correct completion contains.
+
+    ``record`` holds the other keys of a JSONL line (custom rewards may read them).
+    """
 
     prompt: str
     answer: str
+    record: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RewardFunction(Protocol):
@@ -30,13 +41,6 @@ class RewardFunction(Protocol):
 
     def __call__(self, problem: Problem, completion: str) -> float:
         ...
-
-
-class ExactMatchReward:
-    """1.0 when the completion, stripped of surrounding whitespace, equals the answer; else 0.0."""
-
-    def __call__(self, problem: Problem, completion: str) -> float:
-        return 1.0 if completion.strip() == problem.answer else 0.0
 
 
 class Task(Protocol):
@@ -105,13 +109,20 @@ class ArithmeticTask:
 
 @dataclass(kw_only=True)
 class JsonlTask:
-    """Problems from a JSON-lines file of ``{"prompt": str, "answer": str}``, shuffled per epoch."""
+    """Problems from a JSON-lines file, shuffled per epoch.
+
+    Each line is an object holding the prompt under ``prompt_key`` and the answer (a string or a
+    number) under ``answer_key``.
+    """
 
     path: str
     seed: int = 0
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
 
     def __post_init__(self) -> None:
-        self._problems = load_jsonl_problems(self.path)
+        self.problems = load_jsonl_problems(self.path, prompt_key=self.prompt_key,
+                                            answer_key=self.answer_key)
         self._rng = random.Random(self.seed)
         self._order: list[int] = []
 
@@ -119,14 +130,15 @@ class JsonlTask:
         problems = []
         while len(problems) < num_problems:
             if not self._order:
-                self._order = list(range(len(self._problems)))
+                self._order = list(range(len(self.problems)))
                 self._rng.shuffle(self._order)
-            problems.append(self._problems[self._order.pop()])
+            problems.append(self.problems[self._order.pop()])
         return problems
 
 
-def load_jsonl_problems(path: str | Path) -> list[Problem]:
-    """Read ``{"prompt", "answer"}`` lines; errors name the file, the line and the problem."""
+def load_jsonl_problems(path: str | Path, *, prompt_key: str = "prompt",
+                        answer_key: str = "answer") -> list[Problem]:
+    """Read one problem per line; errors name the file, the line and the problem."""
     problems = []
     text = Path(path).read_text()
     for number, line in enumerate(text.splitlines(), start=1):
@@ -138,20 +150,89 @@ def load_jsonl_problems(path: str | Path) -> list[Problem]:
         except json.JSONDecodeError as error:
             raise ValueError(f"{where}: not valid JSON ({error.msg})") from error
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected an object with 'prompt' and 'answer'")
-        for key in ("prompt", "answer"):
-            if not isinstance(record.get(key), str) or not record[key]:
-                raise ValueError(f"{where}: '{key}' must be a non-empty string")
-        problems.append(Problem(prompt=record["prompt"], answer=record["answer"]))
+            raise ValueError(f"{where}: expected an object with '{prompt_key}' and "
+                             f"'{answer_key}'")
+        prompt, answer = record.get(prompt_key), record.get(answer_key)
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: '{prompt_key}' must be a non-empty string")
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str) or not answer:
+            raise ValueError(f"{where}: '{answer_key}' must be a non-empty string or a number")
+        rest = {k: v for k, v in record.items() if k not in (prompt_key, answer_key)}
+        problems.append(Problem(prompt=prompt, answer=answer, record=rest))
     if not problems:
         raise ValueError(f"{path}: no problems found")
     return problems
 
 
-def score(reward: RewardFunction, problems: Sequence[Problem],
-          completions: Sequence[str]) -> list[float]:
-    """Rewards for ``completions[i]`` against ``problems[i]``."""
-    if len(problems) != len(completions):
-        raise ValueError(f"{len(completions)} completions for {len(problems)} problems")
-    return [float(reward(problem, completion))
-            for problem, completion in zip(problems, completions, strict=True)]
+def template_fields(template: str) -> set[str]:
+    """The names a ``str.format`` template refers to (``{prompt}`` → ``{"prompt"}``)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as error:
+        raise ConfigError(f"`prompt_template` is not a valid format string: {error}") from None
+    names = {name for _, name, _, _ in parsed if name is not None}
+    if "" in names or any(name.isdigit() for name in names):
+        raise ConfigError("`prompt_template` must name its fields ({prompt}, {other_key}), "
+                          f"got {template!r}")
+    return names
+
+
+class PromptedTask:
+    """A task whose prompts go through ``format_prompt`` (template, chat template)."""
+
+    def __init__(self, task: Task, format_prompt: Callable[[Problem], str]) -> None:
+        self._task = task
+        self._format = format_prompt
+
+    def sample(self, num_problems: int) -> list[Problem]:
+        return [Problem(prompt=self._format(p), answer=p.answer, record=p.record)
+                for p in self._task.sample(num_problems)]
+
+
+def build_task(config: TaskConfig, *, seed: int, hf_path: str) -> Task:
+    """The task ``config`` describes, its prompts dressed as configured.
+
+    The tokenizer at ``hf_path`` is read only when ``config.chat_template`` is set; a tokenizer
+    without a chat template is a ``ValueError`` then.
+    """
+    task: Task
+    if config.kind == "jsonl":
+        task = JsonlTask(path=config.path, seed=seed, prompt_key=config.prompt_key,
+                         answer_key=config.answer_key)
+    else:
+        task = ArithmeticTask(seed=seed, num_digits=config.num_digits,
+                              operation=config.operation, modulo=config.modulo,
+                              max_operand=config.max_operand)
+    if config.prompt_template is None and not config.chat_template:
+        return task
+    chat = _chat_formatter(hf_path) if config.chat_template else None
+    template = config.prompt_template
+
+    def format_prompt(problem: Problem) -> str:
+        text = problem.prompt
+        if template is not None:
+            try:
+                text = template.format(**{**problem.record, "prompt": problem.prompt})
+            except KeyError as error:
+                raise ValueError(f"task.prompt_template names {error}, which the problem "
+                                 f"{problem.prompt!r} does not have") from None
+        return chat(text) if chat is not None else text
+
+    return PromptedTask(task, format_prompt)
+
+
+def _chat_formatter(hf_path: str) -> Callable[[str], str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"task.chat_template is true but the tokenizer in {hf_path} has no chat "
+                         "template")
+
+    def chat(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    return chat

@@ -1,4 +1,5 @@
-"""GRPO math: advantages, the clipped loss and its gradient, KL, logprob agreement."""
+"""GRPO math: advantages, the clipped loss and its gradient, KL, logprob agreement; rollouts of
+mixed lengths as a training batch."""
 
 import math
 import re
@@ -6,7 +7,10 @@ import re
 import pytest
 import torch
 
+from mcore_refit.grpo.batch import build_rollout_batch, with_fields
 from mcore_refit.grpo.loss import GRPOLoss, group_advantages, logprob_mult_err
+from mcore_refit.inference.engine import Completion
+from mcore_refit.policy.batch import build_micro_batches
 
 
 def test_group_advantages_normalise_within_each_group():
@@ -81,3 +85,51 @@ def test_logprob_mult_err():
     assert logprob_mult_err(a, b, mask) == pytest.approx((math.exp(0.1) + 1.0) / 2)
     with pytest.raises(ValueError, match="needs at least one masked-in token"):
         logprob_mult_err(a, b, torch.zeros(1, 3))
+
+
+def completion(prompt_len, token_ids, stopped):
+    return Completion(prompt_ids=tuple(range(10, 10 + prompt_len)), token_ids=tuple(token_ids),
+                      logprobs=tuple(-0.1 * (i + 1) for i in range(len(token_ids))), text="",
+                      stopped=stopped)
+
+
+def test_mixed_completion_lengths_train_on_exactly_the_completion_tokens():
+    # Prompts of 3 and 5 tokens; completions that stopped after 1 and 3 tokens (the stop token
+    # is their last id) and one the budget of 4 cut.
+    groups = [[completion(3, [7, 2], True), completion(3, [7, 8, 9, 4], False)],
+              [completion(5, [2], True), completion(5, [5, 6, 2], True)]]
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    advantages = group_advantages(rewards, group_size=2)
+    rollout = build_rollout_batch(groups, rewards, advantages, pad_token_id=0)
+    expected = torch.zeros(4, 8)
+    for row, (start, length) in enumerate([(3, 2), (3, 4), (5, 1), (5, 3)]):
+        expected[row, start:start + length] = 1.0
+    assert torch.equal(rollout.response_mask, expected)
+    assert torch.equal(rollout.batch.lengths, torch.tensor([5, 7, 6, 8]))
+
+    [micro_batch] = build_micro_batches(rollout.batch, [[0, 1, 2, 3]], pad_to_multiple=4,
+                                        device=torch.device("cpu"))
+    assert torch.equal(micro_batch["loss_mask"], expected)  # nothing after a stop, no padding
+    logprobs = torch.full((4, 8), -1.0, requires_grad=True)
+    batch = with_fields(rollout.batch, old_logprobs=logprobs.detach().clone())
+    [micro_batch] = build_micro_batches(batch, [[0, 1, 2, 3]], pad_to_multiple=4,
+                                        device=torch.device("cpu"))
+    out = GRPOLoss()(logprobs, micro_batch)
+    assert out.num_tokens.item() == 10
+    out.loss_sum.backward()
+    # On policy: d(loss)/d(logprob) = −advantage on every completion token, 0 elsewhere.
+    assert torch.equal(logprobs.grad, -advantages.unsqueeze(1) * expected)
+
+
+def test_logprob_mult_err_covers_every_completion_token():
+    groups = [[completion(2, [4, 5, 6], True)], [completion(5, [4], False)]]
+    rollout = build_rollout_batch(groups, torch.zeros(2), torch.zeros(2), pad_token_id=0)
+    trainer = rollout.inference_logprobs.clone()
+    assert logprob_mult_err(trainer, rollout.inference_logprobs, rollout.response_mask) == 1.0
+    trainer[0, 4] += 0.5  # the stop token of the first completion: its last token
+    expected = (3 + math.exp(0.5)) / 4  # four completion tokens in all
+    assert logprob_mult_err(trainer, rollout.inference_logprobs,
+                            rollout.response_mask) == pytest.approx(expected)
+    trainer[0, 5] += 9.0  # padding after the stop: not a completion token
+    assert logprob_mult_err(trainer, rollout.inference_logprobs,
+                            rollout.response_mask) == pytest.approx(expected)

@@ -1,0 +1,59 @@
+"""Scoring a fixed validation set with greedy decoding, for the ``eval/*`` metrics.
+
+The set is drawn once at start-up (``eval.num_problems`` problems of the seeded task, or every line
+of a jsonl file) and scored with one greedy completion per prompt through the same rollouts
+backend as training, so it measures the weights the engines hold after the last refit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mcore_refit.grpo.config import EvalConfig, GRPOJobConfig
+from mcore_refit.grpo.rewards import resolve_reward, score_completions
+from mcore_refit.grpo.tasks import Problem, build_task, load_jsonl_problems
+
+# Offsets the eval set's seed from the training task's, so an arithmetic eval set is not the
+# first prompts the training run sees.
+EVAL_SEED_OFFSET = 7919
+
+
+class Evaluator:
+    """The validation set and how to score it; :meth:`evaluate` is a collective over the trainer
+    ranks (it calls the rollouts backend's ``generate``)."""
+
+    def __init__(self, config: GRPOJobConfig) -> None:
+        assert config.eval is not None
+        eval_config: EvalConfig = config.eval
+        self.problems = draw_eval_set(eval_config, seed=config.run.seed + EVAL_SEED_OFFSET,
+                                      hf_path=config.model.hf_path)
+        reward = eval_config.reward if eval_config.reward is not None else config.task.reward
+        self._reward = resolve_reward(reward)
+        self._truncated_reward = config.grpo.truncated_reward
+        self._sampling = dataclasses.replace(config.inference.sampling, greedy=True)
+
+    def evaluate(self, rollouts) -> dict[str, float]:
+        """``eval/*`` metrics of the engines' current weights."""
+        groups = rollouts.generate([p.prompt for p in self.problems], num_samples=1,
+                                   sampling=self._sampling)
+        completions = [group[0] for group in groups]
+        rewards = score_completions(self._reward, self.problems, [c.text for c in completions],
+                                    [c.stopped for c in completions],
+                                    truncated_reward=self._truncated_reward)
+        num = len(completions)
+        return {
+            "eval/reward_mean": sum(rewards) / num,
+            "eval/accuracy": sum(r == 1.0 for r in rewards) / num,
+            "eval/truncated_fraction": sum(not c.stopped for c in completions) / num,
+            "eval/completion_tokens_mean": sum(len(c.token_ids) for c in completions) / num,
+        }
+
+
+def draw_eval_set(config: EvalConfig, *, seed: int, hf_path: str) -> list[Problem]:
+    """The fixed list of validation problems ``config`` describes."""
+    task = build_task(config, seed=seed, hf_path=hf_path)
+    if config.num_problems is not None:
+        return task.sample(config.num_problems)
+    # Every line once: one epoch of the file.
+    return task.sample(len(load_jsonl_problems(config.path, prompt_key=config.prompt_key,
+                                               answer_key=config.answer_key)))
