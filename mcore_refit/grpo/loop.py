@@ -20,21 +20,16 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from mcore_refit.grpo.batch import build_rollout_batch, with_fields
-from mcore_refit.grpo.config import GRPOJobConfig, TaskConfig
+from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.grpo.evaluation import Evaluator
 from mcore_refit.grpo.loss import GRPOLoss, group_advantages, logprob_mult_err
-from mcore_refit.grpo.tasks import ArithmeticTask, ExactMatchReward, JsonlTask, Task, score
+from mcore_refit.grpo.rewards import resolve_reward, score_completions
+from mcore_refit.grpo.tasks import build_task
 from mcore_refit.policy.worker import Policy
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-
-
-def build_task(config: TaskConfig, *, seed: int) -> Task:
-    if config.kind == "jsonl":
-        return JsonlTask(path=config.path, seed=seed)
-    return ArithmeticTask(seed=seed, num_digits=config.num_digits, operation=config.operation,
-                          modulo=config.modulo, max_operand=config.max_operand)
 
 
 @dataclass
@@ -44,6 +39,7 @@ class RunHistory:
     rewards: list[float] = field(default_factory=list)
     refit_s: list[float] = field(default_factory=list)
     logprob_mult_err: list[float] = field(default_factory=list)
+    eval_rewards: list[float] = field(default_factory=list)
 
 
 def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: int,
@@ -55,11 +51,12 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
     """
     output_dir = Path(config.run.output_dir)
     start_step = _resume(policy, output_dir) if resume else 0
-    task = build_task(config.task, seed=config.run.seed)
+    task = build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
     task.sample(start_step * config.grpo.prompts_per_step)  # replay the sampler to this step
     loss_fn = GRPOLoss(clip_low=config.grpo.clip_low, clip_high=config.grpo.clip_high,
                        kl_coef=config.grpo.kl_coef)
-    reward_fn = ExactMatchReward()
+    reward_fn = resolve_reward(config.task.reward)
+    evaluator = Evaluator(config) if config.eval is not None else None
     logger_ = MetricsLogger(output_dir, enabled=is_logging_rank,
                             tensorboard=config.run.tensorboard)
     history = RunHistory()
@@ -79,8 +76,10 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
                                    sampling=config.inference.sampling)
         generate_s = time.perf_counter() - started
         repeated = [p for p in problems for _ in range(config.grpo.samples_per_prompt)]
-        rewards = torch.tensor(score(reward_fn, repeated,
-                                     [c.text for group in groups for c in group]))
+        completions = [c for group in groups for c in group]
+        rewards = torch.tensor(score_completions(
+            reward_fn, repeated, [c.text for c in completions], [c.stopped for c in completions],
+            truncated_reward=config.grpo.truncated_reward))
         advantages = group_advantages(rewards, group_size=config.grpo.samples_per_prompt,
                                       normalize_std=config.grpo.normalize_advantages)
         rollout = build_rollout_batch(groups, rewards, advantages, pad_token_id=pad_token_id)
@@ -104,6 +103,10 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
             save_checkpoint(policy, output_dir, step=step + 1)
         if config.inference.offload_trainer:
             policy.offload()
+        eval_metrics = {}
+        if evaluator is not None and _eval_due(step + 1, config):
+            eval_metrics = evaluator.evaluate(rollouts)
+            history.eval_rewards.append(eval_metrics["eval/reward_mean"])
 
         response = rollout.response_mask > 0
         record = {
@@ -113,6 +116,8 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
             # single answers (an entropy proxy that costs nothing).
             "sampled_logprob_mean": rollout.inference_logprobs[response].mean().item(),
             "logprob_mult_err": mult_err,
+            "completion_tokens_mean": sum(len(c.token_ids) for c in completions) / len(completions),
+            "truncated_fraction": sum(not c.stopped for c in completions) / len(completions),
             "loss": metrics.loss,
             "grad_norm": metrics.grad_norm,
             "lr": metrics.lr,
@@ -123,6 +128,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
             "refit_s": refit.get("total_s", 0.0),
             "refit_gbps": refit.get("gbps", 0.0),
             "step_s": time.perf_counter() - started,
+            **eval_metrics,
         }
         history.rewards.append(record["reward_mean"])
         history.refit_s.append(record["refit_s"])
@@ -131,6 +137,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
         progress.update(record)
     progress.close()
     logger_.close()
+    evaluated = {"eval_reward_last": history.eval_rewards[-1]} if history.eval_rewards else {}
     return {
         "steps": config.run.steps - start_step,
         "reward_first": history.rewards[0] if history.rewards else float("nan"),
@@ -139,7 +146,13 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
         "logprob_mult_err_max": max(history.logprob_mult_err, default=float("nan")),
         "device": device.type,
         "mode": config.refit.mode,
+        **evaluated,
     }
+
+
+def _eval_due(step: int, config: GRPOJobConfig) -> bool:
+    every = config.run.eval_every
+    return step == config.run.steps or (every > 0 and step % every == 0)
 
 
 def save_checkpoint(policy: Policy, output_dir: Path, *, step: int) -> None:
