@@ -43,7 +43,8 @@ class Evaluator:
         num = len(completions)
         return {
             "eval/reward_mean": sum(rewards) / num,
-            "eval/accuracy": sum(r == 1.0 for r in rewards) / num,
+            # Full credit (1.0 or more): the share of answers right under partial-credit rewards.
+            "eval/accuracy": sum(r >= 1.0 for r in rewards) / num,
             "eval/truncated_fraction": sum(not c.stopped for c in completions) / num,
             "eval/completion_tokens_mean": sum(len(c.token_ids) for c in completions) / num,
         }

@@ -1,7 +1,8 @@
 """The GRPO recipe end to end on CPU: learning, logprob agreement, both modes, resume, two jobs on
-one host."""
+one host, users' own data, reward and eval set."""
 
 import json
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -145,3 +146,43 @@ def test_two_colocated_jobs_share_a_host(checkpoint, tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(launch, ["first", "second"]))
     assert [last_json_line(result.stdout)["steps"] for result in results] == [1, 1]
+
+
+USER_REWARD = """
+def bonus_match(problem, completion):
+    return problem.record["bonus"] + (1.0 if completion.strip() == problem.answer else 0.0)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_jsonl_data_custom_reward_and_eval_set(checkpoint, tmp_path):
+    # A user's dataset with keys of their own, a reward function by import path that reads
+    # another key of the line, and a validation set of every line of a second file.
+    lines = [{"question": f"{a}+{b}", "target": str(a + b), "bonus": 0.125}
+             for a in range(10) for b in range(10)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:80]))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[80:]))
+    (tmp_path / "my_rewards.py").write_text(USER_REWARD)
+    out = tmp_path / "run"
+    task = ["kind=jsonl", "prompt_key=question", "answer_key=target",
+            "prompt_template='{prompt}='"]
+    result = run_torchrun(
+        RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
+        f"run.output_dir={out}", "run.steps=3", "run.eval_every=2", "parallel.pipeline=1",
+        "parallel.virtual_pipeline=null", "grpo.prompts_per_step=8", "grpo.samples_per_prompt=4",
+        "task.reward=my_rewards:bonus_match", f"task.path={tmp_path / 'train.jsonl'}", *[f"task.{o}" for o in task],
+        "eval.num_problems=null",
+        f"eval.path={tmp_path / 'eval.jsonl'}", *[f"eval.{o}" for o in task],
+        nproc=1, timeout_s=540,
+        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    summary = last_json_line(result.stdout)
+    assert summary["steps"] == 3 and 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert 0.125 <= record["reward_mean"] <= 1.125  # the user's reward, bonus included
+    assert ["eval/reward_mean" in r for r in records] == [False, True, True]
+    for record in records[1:]:
+        assert 0.125 <= record["eval/reward_mean"] <= 1.125
+        assert 0.0 <= record["eval/accuracy"] <= 1.0
+    assert summary["eval_reward_last"] == records[-1]["eval/reward_mean"]
