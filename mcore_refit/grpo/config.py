@@ -84,13 +84,14 @@ class GRPOConfig:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     normalize_advantages: bool = True
-    # The reward of a completion the token budget cut off (no stop token); null scores it as
-    # any other.
-    truncated_reward: float | None = None
+    # Subtracted from the reward of a completion the token budget cut off (no stop token).
+    truncated_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:
             raise ConfigError(f"`prompts_per_step` must be ≥ 1, got {self.prompts_per_step}")
+        if self.truncated_penalty < 0:
+            raise ConfigError(f"`truncated_penalty` must be ≥ 0, got {self.truncated_penalty}")
         if self.samples_per_prompt < 2:
             raise ConfigError("`samples_per_prompt` must be ≥ 2 (advantages compare samples of "
                               f"one prompt), got {self.samples_per_prompt}")

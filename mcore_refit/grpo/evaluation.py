@@ -29,7 +29,7 @@ class Evaluator:
                                       hf_path=config.model.hf_path)
         reward = eval_config.reward if eval_config.reward is not None else config.task.reward
         self._reward = resolve_reward(reward)
-        self._truncated_reward = config.grpo.truncated_reward
+        self._truncated_penalty = config.grpo.truncated_penalty
         self._sampling = dataclasses.replace(config.inference.sampling, greedy=True)
 
     def evaluate(self, rollouts) -> dict[str, float]:
@@ -39,7 +39,7 @@ class Evaluator:
         completions = [group[0] for group in groups]
         rewards = score_completions(self._reward, self.problems, [c.text for c in completions],
                                     [c.stopped for c in completions],
-                                    truncated_reward=self._truncated_reward)
+                                    truncated_penalty=self._truncated_penalty)
         num = len(completions)
         return {
             "eval/reward_mean": sum(rewards) / num,

@@ -79,7 +79,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
         completions = [c for group in groups for c in group]
         rewards = torch.tensor(score_completions(
             reward_fn, repeated, [c.text for c in completions], [c.stopped for c in completions],
-            truncated_reward=config.grpo.truncated_reward))
+            truncated_penalty=config.grpo.truncated_penalty))
         advantages = group_advantages(rewards, group_size=config.grpo.samples_per_prompt,
                                       normalize_std=config.grpo.normalize_advantages)
         rollout = build_rollout_batch(groups, rewards, advantages, pad_token_id=pad_token_id)

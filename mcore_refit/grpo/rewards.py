@@ -147,23 +147,21 @@ def check_reward_signature(function: Callable, *, name: str) -> None:
 
 def score_completions(reward: RewardFunction, problems: Sequence[Problem],
                       completions: Sequence[str], stopped: Sequence[bool], *,
-                      truncated_reward: float | None) -> list[float]:
+                      truncated_penalty: float) -> list[float]:
     """Rewards for ``completions[i]`` against ``problems[i]``.
 
-    A completion the token budget cut off (``stopped[i]`` false) gets ``truncated_reward`` when
-    that is set, and is scored like any other otherwise.
+    A completion the token budget cut off (``stopped[i]`` false) is scored like any other, less
+    ``truncated_penalty`` (the soft overlong penalty of DAPO and verl): what it got right still
+    counts, and ending at the stop token pays.
     """
     if not len(problems) == len(completions) == len(stopped):
         raise ValueError(f"{len(completions)} completions and {len(stopped)} stop flags for "
                          f"{len(problems)} problems")
     rewards = []
     for problem, completion, ended in zip(problems, completions, stopped, strict=True):
-        if not ended and truncated_reward is not None:
-            rewards.append(float(truncated_reward))
-            continue
         value = reward(problem, completion)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"the reward function returned {value!r} ({type(value).__name__}) "
                             "for a completion; it must return a float")
-        rewards.append(float(value))
+        rewards.append(float(value) - (0.0 if ended else truncated_penalty))
     return rewards

@@ -90,13 +90,15 @@ def test_a_bad_reward_fails_at_start_up_naming_the_key(reward_module, name, mess
         load_config(GRPOJobConfig, None, ["model.hf_path=x", f"task.reward={name}"])
 
 
-def test_score_completions_applies_the_truncated_reward():
-    problems = [Problem("p", "7")] * 3
-    assert score_completions(exact_match, problems, ["7", "7", "1"], [True, False, True],
-                             truncated_reward=-1.0) == [1.0, -1.0, 0.0]
-    assert score_completions(exact_match, problems, ["7", "7", "1"], [True, False, True],
-                             truncated_reward=None) == [1.0, 1.0, 0.0]
-    with pytest.raises(ValueError, match="2 completions and 2 stop flags for 3 problems"):
-        score_completions(exact_match, problems, ["7", "7"], [True, True], truncated_reward=None)
+def test_score_completions_applies_the_truncated_penalty():
+    problems = [Problem("p", "7")] * 4
+    assert score_completions(exact_match, problems, ["7", "7", "1", "1"],
+                             [True, False, True, False], truncated_penalty=0.5) == [
+        1.0, 0.5, 0.0, -0.5]
+    assert score_completions(exact_match, problems, ["7", "7", "1", "1"],
+                             [True, False, True, False], truncated_penalty=0.0) == [
+        1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="2 completions and 2 stop flags for 4 problems"):
+        score_completions(exact_match, problems, ["7", "7"], [True, True], truncated_penalty=0.0)
     with pytest.raises(TypeError, match=re.escape("the reward function returned '1' (str)")):
-        score_completions(lambda p, c: "1", problems[:1], ["7"], [True], truncated_reward=None)
+        score_completions(lambda p, c: "1", problems[:1], ["7"], [True], truncated_penalty=0.0)

@@ -124,6 +124,7 @@ def test_chat_template_wraps_the_prompt_when_the_tokenizer_has_one(tmp_path):
     (["eval.num_problems=0"], "eval.num_problems must be ≥ 1 or null, got 0"),
     (["eval=null", "run.eval_every=5"], "run.eval_every > 0 needs an eval section"),
     (["run.eval_every=-1"], "run.eval_every must be ≥ 0, got -1"),
+    (["grpo.truncated_penalty=-1"], "grpo.truncated_penalty must be ≥ 0, got -1.0"),
 ])
 def test_bad_task_and_eval_config(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
