@@ -18,12 +18,13 @@ class TaskConfig:
     """Where prompts and answers come from, how prompts are dressed, how answers are scored."""
 
     kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    # arithmetic: operands of up to num_digits digits (at most max_operand when set), answer
+    # arithmetic: operands of up to num_digits digits (in [min_operand, max_operand]), answer
     # modulo `modulo` when set
     num_digits: int = 1
     operation: Operation = "add"
     modulo: int | None = None
     max_operand: int | None = None
+    min_operand: int = 0
     # jsonl: a file of JSON objects, one per line, with the prompt and the answer under these keys
     path: str | None = None
     prompt_key: str = "prompt"
@@ -44,7 +45,8 @@ class TaskConfig:
                 if getattr(self, key) != TaskConfig.__dataclass_fields__[key].default:
                     raise ConfigError(f"`{key}` is only used with `kind`=jsonl")
             check_arithmetic_settings(num_digits=self.num_digits, operation=self.operation,
-                                      modulo=self.modulo, max_operand=self.max_operand)
+                                      modulo=self.modulo, max_operand=self.max_operand,
+                                      min_operand=self.min_operand)
         if self.prompt_template is not None:
             names = template_fields(self.prompt_template)
             if self.kind == "arithmetic" and names - {"prompt"}:

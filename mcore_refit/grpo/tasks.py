@@ -56,7 +56,7 @@ _SYMBOLS = {"add": "+", "sub": "-", "mul": "*"}
 
 
 def check_arithmetic_settings(*, num_digits: int, operation: str, modulo: int | None,
-                              max_operand: int | None) -> None:
+                              max_operand: int | None, min_operand: int = 0) -> None:
     """Reject settings no :class:`ArithmeticTask` can have: a :class:`ConfigError` with its keys
     relative to the task's config section (``task``)."""
     if num_digits < 1:
@@ -69,15 +69,19 @@ def check_arithmetic_settings(*, num_digits: int, operation: str, modulo: int | 
     if max_operand is not None and not 0 < max_operand < 10 ** num_digits:
         raise ConfigError(f"`max_operand` must be in [1, {10 ** num_digits - 1}] for "
                           f"num_digits={num_digits}, got {max_operand}")
+    high = max_operand if max_operand is not None else 10 ** num_digits - 1
+    if not 0 <= min_operand <= high:
+        raise ConfigError(f"`min_operand` must be in [0, {high}], got {min_operand}")
 
 
 @dataclass(kw_only=True)
 class ArithmeticTask:
     """``a<op>b=`` → the decimal result, operands of up to ``num_digits`` digits.
 
-    ``max_operand`` narrows the operands to ``[0, max_operand]`` (operands up to 4 give one-digit
-    sums, which a tiny model learns within minutes on a CPU); with ``modulo`` set the answer is
-    the result modulo it.
+    ``min_operand`` and ``max_operand`` narrow the operands to ``[min_operand, max_operand]``
+    (operands up to 4 give one-digit sums, which a tiny model learns within minutes on a CPU;
+    operands from 5 to 9 give two-digit sums whose tens digit is always 1); with ``modulo`` set
+    the answer is the result modulo it.
     """
 
     seed: int = 0
@@ -85,11 +89,13 @@ class ArithmeticTask:
     operation: Operation = "add"
     modulo: int | None = None
     max_operand: int | None = None
+    min_operand: int = 0
 
     def __post_init__(self) -> None:
         try:
             check_arithmetic_settings(num_digits=self.num_digits, operation=self.operation,
-                                      modulo=self.modulo, max_operand=self.max_operand)
+                                      modulo=self.modulo, max_operand=self.max_operand,
+                                      min_operand=self.min_operand)
         except ConfigError as error:
             raise error.at("task") from None
         self._rng = random.Random(self.seed)
@@ -98,7 +104,8 @@ class ArithmeticTask:
         high = self.max_operand if self.max_operand is not None else 10 ** self.num_digits - 1
         problems = []
         for _ in range(num_problems):
-            a, b = self._rng.randint(0, high), self._rng.randint(0, high)
+            a, b = (self._rng.randint(self.min_operand, high),
+                    self._rng.randint(self.min_operand, high))
             result = {"add": a + b, "sub": a - b, "mul": a * b}[self.operation]
             if self.modulo is not None:
                 result %= self.modulo
@@ -204,7 +211,7 @@ def build_task(config: TaskConfig, *, seed: int, hf_path: str) -> Task:
     else:
         task = ArithmeticTask(seed=seed, num_digits=config.num_digits,
                               operation=config.operation, modulo=config.modulo,
-                              max_operand=config.max_operand)
+                              max_operand=config.max_operand, min_operand=config.min_operand)
     if config.prompt_template is None and not config.chat_template:
         return task
     chat = _chat_formatter(hf_path) if config.chat_template else None

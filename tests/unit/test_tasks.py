@@ -141,3 +141,11 @@ def test_eval_set_is_fixed_and_apart_from_training(tmp_path):
                             num_problems=None)
     drawn = draw_eval_set(every_line, seed=0, hf_path="unused")
     assert sorted(p.prompt for p in drawn) == sorted(f"{i}+1" for i in range(7))
+
+
+def test_min_operand_bounds_operands_from_below():
+    for problem in ArithmeticTask(seed=2, min_operand=5, max_operand=9).sample(100):
+        a, b = map(int, problem.prompt.rstrip("=").split("+"))
+        assert 5 <= a <= 9 and 5 <= b <= 9 and problem.answer == str(a + b)
+    with pytest.raises(ValueError, match=re.escape("task.min_operand must be in [0, 4], got 5")):
+        ArithmeticTask(min_operand=5, max_operand=4)
