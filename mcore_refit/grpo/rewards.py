@@ -12,9 +12,10 @@ Built-ins:
 - ``last_number``: the last number in the completion equals the answer as a number;
 - ``hash_answer``: the text after the last ``####`` (GSM8K style) equals the answer;
 - ``boxed``: the content of the last ``\\boxed{...}`` equals the answer;
-- ``digit_match``: partial credit, the fraction of characters that match the answer position by
-  position, over the longer of the two (1.0 only for an exact match). It gives a tiny model a
-  gradient towards multi-digit answers long before it gets whole answers right.
+- ``digit_match``: partial credit, half for an answer of the right length and half for the share
+  of characters right position by position (over the longer of completion and answer); 1.0 only
+  for an exact match. It gives a tiny model a gradient towards multi-digit answers long before
+  it gets whole answers right, and a short answer never scores as much as one of full length.
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ def boxed(problem: Problem, completion: str) -> float:
 
 
 def digit_match(problem: Problem, completion: str) -> float:
-    """Fraction of positions where completion and answer hold the same character, over the
-    longer of the two (stripped): 1.0 only for an exact match, 0.0 for an empty completion."""
+    """Half for the answer's length, half for the share of positions where completion and answer
+    (stripped) hold the same character, over the longer of the two: 1.0 only for an exact
+    match, 0.0 for an empty completion."""
     text, answer = completion.strip(), problem.answer.strip()
     longest = max(len(text), len(answer))
     if longest == 0:
         return 1.0
-    return sum(a == b for a, b in zip(text, answer, strict=False)) / longest
+    matches = sum(a == b for a, b in zip(text, answer, strict=False))
+    return 0.5 * (len(text) == len(answer)) + 0.5 * matches / longest
 
 
 BUILT_IN_REWARDS: dict[str, RewardFunction] = {

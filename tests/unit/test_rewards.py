@@ -50,8 +50,8 @@ def test_boxed():
 
 
 def test_digit_match_gives_partial_credit_and_full_credit_only_when_exact():
-    assert scores(digit_match, "23", ["23", "24", "2", "13", "234", "", " 23 "]) == [
-        1.0, 0.5, 0.5, 0.5, 2 / 3, 0.0, 1.0]
+    assert scores(digit_match, "23", ["23", "24", "2", "13", "234", "", " 23 ", "x"]) == [
+        1.0, 0.75, 0.25, 0.75, 1 / 3, 0.0, 1.0, 0.0]
 
 
 def test_built_ins_resolve_by_name():
