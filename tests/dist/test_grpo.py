@@ -47,11 +47,11 @@ def test_colocated_run_learns_and_engine_matches_trainer(checkpoint, tmp_path):
     rewards = [record["reward_mean"] for record in records]
     assert len(rewards) == 100
     # Random init rarely samples the stop token within the budget (penalised) and almost never
-    # a right digit; within the run it learns to answer in digits and to stop.
-    assert mean(rewards[:10]) < 0.0
-    assert mean(rewards[-20:]) > mean(rewards[:10]) + 0.2
+    # a right digit; within the run it learns to answer with two digits and to stop.
+    assert mean(rewards[:10]) < 0.05
+    assert mean(rewards[-20:]) > mean(rewards[:10]) + 0.3
     assert mean([r["truncated_fraction"] for r in records[-20:]]) < 0.1
-    assert mean([r["completion_tokens_mean"] for r in records[-20:]]) >= 1.5
+    assert mean([r["completion_tokens_mean"] for r in records[-20:]]) > 2.5
     assert [r["step"] for r in records if "eval/reward_mean" in r] == [25, 50, 75, 100]
     assert (out / "trainer_state.json").exists()
 
