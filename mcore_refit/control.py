@@ -8,7 +8,10 @@ commands, results as JSON, and outcomes. Three rules hold for all of it:
   parse;
 - **failures reach every rank**: :meth:`ControlGroup.share_outcomes` gives every rank every rank's
   :class:`Outcome`, so a failure on one rank is raised on all of them, with the failing rank's
-  traceback, root causes before the timeouts they caused.
+  traceback, root causes before the timeouts they caused;
+- **a dead peer is named**: with ``peers`` (a :class:`~mcore_refit.processes.PeerWatch`), every
+  wait checks every ``peers.interval_s`` that the job's other processes live, and a wait that
+  breaks because one died raises :class:`PeerDied` naming it first.
 
 The waits are on the host: a rank waiting here holds no GPU kernel, so it does not slow down a
 process that shares its GPU. Collectives go through the group object's own methods with group
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mcore_refit.processes import PeerWatch, Terminated
 
 # Error text travels in full up to this many characters (the tail is kept: it has the cause).
 MAX_ERROR_CHARS = 16384
@@ -38,6 +44,10 @@ class ControlError(RuntimeError):
 
 class ControlTimeout(ControlError):
     """A control-plane wait expired; the message names what was awaited."""
+
+
+class PeerDied(ControlError):
+    """A process of the job died; the message names it first (``trainer rank 1 (pid ...)``)."""
 
 
 @dataclass(frozen=True)
@@ -107,11 +117,12 @@ class ControlGroup:
 
     Every method is a collective: call it on every rank of the group, in the same order (the
     point-to-point :meth:`send_json` / :meth:`recv_json` pair only the two ranks). ``timeout_s``
-    bounds each wait unless a call passes its own.
+    bounds each wait unless a call passes its own; with ``peers``, a wait ends within
+    ``peers.interval_s`` of a peer's death with :class:`PeerDied`.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, *, timeout_s: float,
-                 name: str = "the control group") -> None:
+                 name: str = "the control group", peers: PeerWatch | None = None) -> None:
         if group is None:
             group = dist.group.WORLD
         if group is dist.GroupMember.NON_GROUP_MEMBER:
@@ -121,6 +132,7 @@ class ControlGroup:
         self.size = group.size()
         self.timeout_s = timeout_s
         self.name = name
+        self.peers = peers
 
     # --- bytes --------------------------------------------------------------------------------
 
@@ -245,15 +257,36 @@ class ControlGroup:
 
     def _wait(self, work: dist.Work, what: str, timeout_s: float | None) -> None:
         seconds = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + seconds
         try:
-            work.wait(timeout=datetime.timedelta(seconds=seconds))
-        except RuntimeError as error:
-            text = str(error)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise ControlTimeout(f"timed out after {seconds:g} s waiting for {what} on "
-                                     f"{self.name} (rank {self.rank} of {self.size})") from None
-            raise ControlError(f"{what} failed on {self.name} (rank {self.rank} of {self.size}); "
-                               f"a peer died or closed the group: {text}") from None
+            while True:
+                left = max(0.0, deadline - time.monotonic())
+                step = left if self.peers is None else min(left, self.peers.interval_s)
+                try:
+                    # At least 1 ms: a zero timeout means no timeout to gloo.
+                    work.wait(timeout=datetime.timedelta(seconds=max(step, 1e-3)))
+                    return
+                except RuntimeError as error:
+                    text = str(error)
+                if not _is_timeout(text):
+                    self._raise_if_peer_died(what, grace_s=1.0)
+                    raise ControlError(f"{what} failed on {self.name} (rank {self.rank} of "
+                                       f"{self.size}); a peer died or closed the group: "
+                                       f"{text}") from None
+                self._raise_if_peer_died(what)
+                if time.monotonic() >= deadline:
+                    raise ControlTimeout(f"timed out after {seconds:g} s waiting for {what} on "
+                                         f"{self.name} (rank {self.rank} of {self.size})")
+        except Terminated as stopped:
+            self._raise_if_peer_died(what, grace_s=0.5, cause=stopped)
+            raise
+
+    def _raise_if_peer_died(self, what: str, *, grace_s: float = 0.0,
+                            cause: BaseException | None = None) -> None:
+        dead = self.peers.first_dead(grace_s=grace_s) if self.peers is not None else None
+        if dead is not None:
+            raise PeerDied(f"{dead} while rank {self.rank} of {self.name} waited for "
+                           f"{what}") from cause
 
     def _check_rank(self, rank: int, role: str) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
@@ -273,6 +306,22 @@ class PendingWords:
             self._control._wait(self._work, self._what, timeout_s)
             self._work = None
         return self._tensor.tolist()
+
+
+def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None:
+    """Raise :class:`PeerDied` naming a dead process of the job, caused by ``error``, if one is
+    found within half a second; else return. For a rank's outermost handler: a rank stopped by
+    the launcher, or failing in a wait that does not watch its peers, still names the cause."""
+    if isinstance(error, PeerDied) or peers is None:
+        return
+    dead = peers.first_dead(grace_s=0.5)
+    if dead is not None:
+        raise PeerDied(f"{dead}; then this rank raised {type(error).__name__}: "
+                       f"{error}") from error
+
+
+def _is_timeout(text: str) -> bool:
+    return "timed out" in text.lower() or "timeout" in text.lower()
 
 
 def _broadcast_options(src: int) -> dist.BroadcastOptions:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from mcore_refit import compat
 from mcore_refit.config import ParallelConfig
+from mcore_refit.control import ControlGroup
+from mcore_refit.processes import PeerWatch, ProcessIdentity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +24,8 @@ class DistributedContext:
 
     ``control_group`` is a gloo group over the same ranks as the default group (the default
     group itself when that is gloo): waits for peers go over it, on the host, so a waiting rank
-    holds no GPU kernel (which would time-slice with another process on its GPU).
+    holds no GPU kernel (which would time-slice with another process on its GPU). ``peers``
+    watches every other process of the job (given ``liveness_s``; see :func:`watch_peers`).
     """
 
     rank: int
@@ -30,6 +33,7 @@ class DistributedContext:
     local_rank: int
     device: torch.device
     control_group: dist.ProcessGroup
+    peers: PeerWatch | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -37,13 +41,15 @@ class DistributedContext:
 
 
 def init_distributed(*, rank: int, world_size: int, local_rank: int,
-                     timeout_s: float = 600.0) -> DistributedContext:
+                     timeout_s: float = 600.0, liveness_s: float | None = None
+                     ) -> DistributedContext:
     """Initialise torch.distributed: NCCL with one GPU per local rank, gloo without CUDA.
 
     ``timeout_s`` bounds every collective of the default group, so a peer that died surfaces as an
     error on the survivors instead of a hang. The rendezvous address comes from torchrun
     (``MASTER_ADDR``/``MASTER_PORT``, read by torch's ``env://`` store). Installs
-    :mod:`mcore_refit.compat` first, so Megatron works on CPU-only machines.
+    :mod:`mcore_refit.compat` first, so Megatron works on CPU-only machines. With
+    ``liveness_s``, ``context.peers`` watches the other ranks (named ``trainer rank <r>``).
     """
     compat.install()
     if dist.is_initialized():
@@ -58,8 +64,25 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int,
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+    control_group = _control_group(device, timeout)
+    peers = None
+    if liveness_s is not None:
+        peers = watch_peers(control_group, name_of=lambda r: f"trainer rank {r}",
+                            interval_s=liveness_s, timeout_s=timeout_s)
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank,
-                              device=device, control_group=_control_group(device, timeout))
+                              device=device, control_group=control_group, peers=peers)
+
+
+def watch_peers(group: dist.ProcessGroup, *, name_of, interval_s: float,
+                timeout_s: float) -> PeerWatch:
+    """A :class:`~mcore_refit.processes.PeerWatch` over the other ranks of the gloo ``group``
+    (``name_of(group rank)`` names them in errors). Collective: call on every rank of it."""
+    control = ControlGroup(group, timeout_s=timeout_s, name="the job's ranks")
+    rows = control.all_gather_json(ProcessIdentity.of().to_json(),
+                                   what="every rank's process identity")
+    return PeerWatch(peers=tuple((name_of(r), ProcessIdentity.from_json(row))
+                                 for r, row in enumerate(rows) if r != control.rank),
+                     interval_s=interval_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,12 +238,14 @@ class SplitJob:
 
 
 def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference_ranks: int,
-                   store_host: str, store_port: int, timeout_s: float = 600.0) -> SplitJob:
+                   store_host: str, store_port: int, timeout_s: float = 600.0,
+                   liveness_s: float | None = None) -> SplitJob:
     """Initialise a non-colocated job: the last ``num_inference_ranks`` ranks serve inference.
 
     Every rank connects to the launcher's key-value store (torchrun's ``MASTER_ADDR`` and
     ``MASTER_PORT``) and builds its role's default group and the cross-role groups it is a
-    member of, from separate key prefixes. Call on every rank of the launch.
+    member of, from separate key prefixes. Call on every rank of the launch. With
+    ``liveness_s``, ``context.peers`` watches every other rank of the job, of both roles.
     """
     compat.install()
     if dist.is_initialized():
@@ -260,8 +285,13 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
                                           rank=0 if is_trainer else 1 + role_rank,
                                           size=1 + num_inference_ranks,
                                           device=torch.device("cpu"), timeout=timeout)
+    peers = None
+    if liveness_s is not None:
+        peers = watch_peers(refit_control, name_of=placement.name_of, interval_s=liveness_s,
+                            timeout_s=timeout_s)
     context = DistributedContext(rank=role_rank, world_size=role_size, local_rank=local_rank,
-                                 device=device, control_group=_control_group(device, timeout))
+                                 device=device, control_group=_control_group(device, timeout),
+                                 peers=peers)
     return SplitJob(role=role, context=context, global_rank=rank,
                     num_trainer_ranks=num_trainer_ranks, num_inference_ranks=num_inference_ranks,
                     placement=placement, refit_control=refit_control, data_groups=data_groups,

@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit import distributed
-from mcore_refit.control import ControlGroup
+from mcore_refit.control import ControlGroup, raise_dead_peer_first
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.loop import run_grpo
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.policy.worker import Policy, build_policy
+from mcore_refit.processes import PeerWatch
 from mcore_refit.refit.export import ModelExport
 
 
@@ -25,16 +26,21 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
     """Every rank trains and refits an engine process on its own device."""
     context = distributed.init_distributed(rank=rank, world_size=world_size,
                                            local_rank=local_rank,
-                                           timeout_s=config.collective_timeout_s)
+                                           timeout_s=config.collective_timeout_s,
+                                           liveness_s=config.refit.transport.liveness_s)
     try:
         policy, pad_token_id = build_trainer(config, context.device)
-        source = weight_source(policy, context.control_group, config, context.device)
+        source = weight_source(policy, context.control_group, config, context.device,
+                               peers=context.peers)
         rollouts = ColocatedRollouts(config=config, context=context, source=source,
                                      job_id=job_id)
         try:
             return train(config, policy, rollouts, pad_token_id, context.device, resume)
         finally:
             rollouts.close()
+    except BaseException as error:
+        raise_dead_peer_first(context.peers, error)
+        raise
     finally:
         distributed.shutdown()
 
@@ -45,7 +51,8 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
     job = distributed.init_split_job(rank=rank, world_size=world_size, local_rank=local_rank,
                                      num_inference_ranks=config.inference.num_ranks,
                                      store_host=store_host, store_port=store_port,
-                                     timeout_s=config.collective_timeout_s)
+                                     timeout_s=config.collective_timeout_s,
+                                     liveness_s=config.refit.transport.liveness_s)
     try:
         if not job.is_trainer:
             serve_inference(config=config, job=job)
@@ -54,12 +61,15 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
         # A trainer rank on an inference rank's device hands its buffers over without a link.
         prefer = {trainer for trainer, _ in job.placement.shared}
         source = weight_source(policy, job.context.control_group, config, job.context.device,
-                               prefer=prefer)
+                               prefer=prefer, peers=job.context.peers)
         rollouts = DedicatedRollouts(config=config, job=job, source=source)
         try:
             return train(config, policy, rollouts, pad_token_id, job.context.device, resume)
         finally:
             rollouts.close()
+    except BaseException as error:
+        raise_dead_peer_first(job.context.peers, error)
+        raise
     finally:
         distributed.shutdown()
 
@@ -76,10 +86,11 @@ def build_trainer(config: GRPOJobConfig, device: torch.device) -> tuple[Policy, 
 
 
 def weight_source(policy: Policy, control_group: dist.ProcessGroup, config: GRPOJobConfig,
-                  device: torch.device, *, prefer=()) -> ModelExport:
+                  device: torch.device, *, prefer=(), peers: PeerWatch | None = None
+                  ) -> ModelExport:
     """The refit's source: each trainer rank exports the weights it holds (collective)."""
     control = ControlGroup(control_group, timeout_s=config.collective_timeout_s,
-                           name="the trainer ranks' control group")
+                           name="the trainer ranks' control group", peers=peers)
     return policy.weight_source(control=control, prefer=prefer)
 
 

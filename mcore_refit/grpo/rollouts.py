@@ -67,7 +67,8 @@ class ColocatedRollouts:
         self._context = context
         self._trainers = ControlGroup(context.control_group,
                                       timeout_s=config.collective_timeout_s,
-                                      name="the trainer ranks' control group")
+                                      name="the trainer ranks' control group",
+                                      peers=context.peers)
         self._released = False
         self.engine: EngineProcess | None = None
         self.refitter: Refitter | None = None
@@ -172,11 +173,11 @@ class DedicatedRollouts:
         self._job = job
         self._config = config
         self._lead = job.context.rank == 0
-        timeout_s = config.collective_timeout_s
+        timeout_s, peers = config.collective_timeout_s, job.context.peers
         self._trainers = ControlGroup(job.context.control_group, timeout_s=timeout_s,
-                                      name="the trainer ranks' control group")
+                                      name="the trainer ranks' control group", peers=peers)
         self._commands = (ControlGroup(job.control_group, timeout_s=timeout_s,
-                                       name="the inference command group")
+                                       name="the inference command group", peers=peers)
                           if self._lead else None)
         # Planning reads every trainer rank's export layout: a collective over them.
         plan = plan_for_source(source, config=config.refit.plan, device=job.context.device)
@@ -185,7 +186,7 @@ class DedicatedRollouts:
         sender = BroadcastSender(
             plan=plan, placement=job.placement, rank=job.context.rank,
             control=ControlGroup(job.refit_control, timeout_s=timeout_s,
-                                 name="the refit control group"),
+                                 name="the refit control group", peers=peers),
             data_group=job.data_groups.get(job.context.rank), device=job.context.device,
             options=config.refit.transport, cpu_device_id=f"job{job.global_rank}")
         self.refitter = Refitter(source=source, sender=sender)
@@ -280,9 +281,9 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
     engine = InferenceEngine(config.model.hf_path, device=device,
                              dtype=getattr(torch, config.inference.dtype),
                              seed=config.run.seed + 1000 + job.context.rank)
-    timeout_s = config.collective_timeout_s
+    timeout_s, peers = config.collective_timeout_s, job.context.peers
     commands = ControlGroup(job.control_group, timeout_s=timeout_s,
-                            name="the inference command group")
+                            name="the inference command group", peers=peers)
     shard, num_shards = job.context.rank, job.num_inference_ranks
     with WeightTransferEndpoint(engine=engine, device=device,
                                 options=config.refit.transport) as endpoint:
@@ -295,7 +296,7 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
                 endpoint.init_weight_transfer_engine(BroadcastInitInfo(
                     placement=job.placement, receiver=job.context.rank,
                     control=ControlGroup(job.refit_control, timeout_s=timeout_s,
-                                         name="the refit control group"),
+                                         name="the refit control group", peers=peers),
                     data_groups=job.data_groups))
             elif op == "generate":
                 reply = Outcome.of(_generate_shard, engine, command, shard, num_shards)

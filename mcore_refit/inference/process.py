@@ -20,6 +20,10 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing
+import os
+import sys
+import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
+from mcore_refit.processes import ProcessIdentity
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.receiver import WeightTransferEndpoint
 from mcore_refit.refit.transport import RefitError
@@ -113,8 +118,9 @@ class EngineProcess:
         try:
             data = self._conn.recv_bytes()
         except EOFError:
-            raise EngineError(f"the inference engine process died during {command!r} "
-                              f"(exit code {self._process.exitcode})") from None
+            self._process.join(timeout=5)  # reap it, for its exit code
+            raise EngineError(f"{self.alive_problem() or 'the inference engine closed its pipe'}"
+                              f" during {command!r}") from None
         finally:
             self._pending = None
         return decode_reply(data, command)
@@ -125,11 +131,13 @@ class EngineProcess:
             raise EngineError(f"{problem}; cannot run {command!r}")
 
     def close(self) -> None:
+        """Stop the engine: a clean shutdown when it is idle; killed when a command is still
+        pending (it may be blocked in a refit whose trainer side gave up) or it does not stop."""
         if self._process.is_alive():
             try:
                 if self._pending is None:
                     self._conn.send_bytes(encode_command("shutdown", {}))
-                self._process.join(timeout=30)
+                    self._process.join(timeout=30)
             finally:
                 if self._process.is_alive():
                     self._process.kill()
@@ -218,7 +226,10 @@ def _plain(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 # --- the engine process ----------------------------------------------------------------------
 
 def _serve(server_class: type, spec_json: str, conn) -> None:
-    """Engine process main loop: build, then answer commands until shutdown."""
+    """Engine process main loop: build, then answer commands until shutdown. Exits at once if
+    the trainer that spawned it dies, whatever it is doing (see :func:`_exit_with_parent`)."""
+    _exit_with_parent(interval_s=json.loads(spec_json).get("transport", {}).get("liveness_s",
+                                                                               2.0))
     try:
         server = server_class(json.loads(spec_json))
     except BaseException as error:
@@ -238,6 +249,22 @@ def _serve(server_class: type, spec_json: str, conn) -> None:
             reply = encode_failure(error)
         conn.send_bytes(reply)
     server.close()
+
+
+def _exit_with_parent(*, interval_s: float) -> None:
+    """Start a thread that ends this process once its parent (the trainer) is gone: checked
+    every ``interval_s`` (the parent's identity, so a reused pid does not fool it)."""
+    parent = ProcessIdentity.of(os.getppid())
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent.pid or parent.gone():
+                print(f"the trainer process ({parent.describe()}) that started this engine "
+                      f"died; the engine (pid {os.getpid()}) exits", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="mcore_refit-engine-parent-watch", daemon=True).start()
 
 
 class InferenceServer:

@@ -52,6 +52,7 @@ from mcore_refit.refit.ipc_memory import (
     private_runtime_dir,
     socket_path,
 )
+from mcore_refit.refit.ipc_owners import claim_owner, sweep_stale_files
 from mcore_refit.refit.plan import PlannedBuffer, RefitPlan
 from mcore_refit.refit.producer import BufferProducer
 from mcore_refit.refit.source import RefitPass
@@ -108,13 +109,20 @@ class IpcSender(RefitSender):
         self._key = device_key(self._streams.device, cpu_device_id=cpu_device_id)
         self._dir = private_runtime_dir(options.ipc_dir)
         self._socket_path = socket_path(self._dir, self._key)
-        claim_socket_path(self._socket_path)
-        self.address = address_of(self._socket_path)
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._request_ids = itertools.count()
-        self._socket.bind(self.address)
+        # Files of jobs that died (SIGKILL leaves them) go first; ours are recorded as ours.
+        sweep_stale_files(self._dir)
+        self._owner = claim_owner(self._dir, self._key)
+        try:
+            claim_socket_path(self._socket_path)
+            self.address = address_of(self._socket_path)
+            self._context = zmq.Context()
+            self._socket = self._context.socket(zmq.DEALER)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._request_ids = itertools.count()
+            self._socket.bind(self.address)
+        except BaseException:
+            self._owner.release()
+            raise
         self._slot_files: list[Path] = []
         self._slots: BufferSlots | None = None
         self._hello: Hello | None = None
@@ -220,6 +228,7 @@ class IpcSender(RefitSender):
         for path in self._slot_files:
             path.unlink(missing_ok=True)
         self._slot_files.clear()
+        self._owner.release()
         if self._slots is not None:
             self._slots.close()
             self._slots = None

@@ -1,0 +1,150 @@
+"""Is a peer process still alive? Process identities that survive pid reuse, and SIGTERM.
+
+A :class:`ProcessIdentity` is a process's host, pid and start time (``/proc/<pid>/stat``, field
+22, in clock ticks since boot): a pid that was reused by a new process has another start time,
+so a dead process is never mistaken for a live one. Other hosts' processes cannot be checked
+from here; :meth:`ProcessIdentity.gone` answers None for them (unknown), and the caller relies on
+its connection to that peer breaking.
+
+:func:`stop_on_sigterm` turns the launcher's SIGTERM (torchrun sends it to every rank when one
+rank failed) into a :class:`Terminated` exception, so a rank unwinds — closes its engine,
+removes its IPC files, reports what it knows — instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+class Terminated(BaseException):
+    """This process was asked to stop (SIGTERM), usually because another rank of the job failed.
+
+    A ``BaseException``: it passes ``except Exception`` handlers that would otherwise report it
+    as the failure of whatever was running.
+    """
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """One process: ``host``, ``pid`` and ``start_time`` (None where ``/proc`` is missing)."""
+
+    host: str
+    pid: int
+    start_time: int | None
+
+    @classmethod
+    def of(cls, pid: int | None = None) -> ProcessIdentity:
+        """The identity of process ``pid`` on this host (this process by default)."""
+        pid = os.getpid() if pid is None else pid
+        return cls(host=socket.gethostname(), pid=pid, start_time=start_time(pid))
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "pid": self.pid, "start_time": self.start_time}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ProcessIdentity:
+        start = data.get("start_time")
+        if (not isinstance(data.get("host"), str) or not _is_int(data.get("pid"))
+                or not (start is None or _is_int(start))):
+            raise ValueError(f"malformed process identity: {data!r:.200}")
+        return cls(host=data["host"], pid=data["pid"], start_time=start)
+
+    def gone(self) -> bool | None:
+        """True once the process has exited (or is a zombie), False while it runs, None when
+        it runs on another host (unknown here)."""
+        if self.host != socket.gethostname():
+            return None
+        return not pid_running(self.pid, start_time=self.start_time)
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks since boot; None if it is gone or this
+    system has no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            data = stat.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; fields follow the last ")".
+    fields = data[data.rindex(b")") + 2:].split()
+    return int(fields[19])
+
+
+def pid_running(pid: int, *, start_time: int | None = None) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie; with ``start_time``,
+    also that it is the process that started then (not a later one that reused the pid)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            data = stat.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # no /proc: the signal probe above is all we know
+    fields = data[data.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return False
+    return start_time is None or int(fields[19]) == start_time
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`Terminated` in the main thread (once; a second
+    SIGTERM while unwinding is ignored, so clean-up finishes). Restores the old handler."""
+    raised = False
+
+    def handler(signum, frame) -> None:
+        nonlocal raised
+        if raised:
+            return
+        raised = True
+        raise Terminated("this rank was stopped by SIGTERM (the launcher stops every rank once "
+                         "one has failed)")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PeerWatch:
+    """The other processes of a job, each with the name errors give it (``"trainer rank 1"``),
+    checked every ``interval_s`` by the waits that take this watch."""
+
+    peers: tuple[tuple[str, ProcessIdentity], ...]
+    interval_s: float
+
+    def first_dead(self, *, grace_s: float = 0.0) -> str | None:
+        """``"<name> (pid N on host) died"`` for the first peer found gone, else None; with
+        ``grace_s``, keep looking that long (a peer whose connection just broke may still be
+        on its way out)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for name, identity in self.peers:
+                if identity.gone():
+                    return f"{name} ({identity.describe()}) died"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
