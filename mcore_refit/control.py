@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_refit.processes import PeerWatch, Terminated
+from mcore_refit.processes import PeerWatch, ProcessIdentity, Terminated
 
 # Error text travels in full up to this many characters (the tail is kept: it has the cause).
 MAX_ERROR_CHARS = 16384
@@ -226,6 +226,17 @@ class ControlGroup:
     def barrier(self, *, what: str, timeout_s: float | None = None) -> None:
         """Wait until every rank of the group reached this call (a host wait)."""
         self.all_gather_bytes(b"", what=what, timeout_s=timeout_s)
+
+    def watch_peers(self, *, name_of: Callable[[int], str], interval_s: float) -> PeerWatch:
+        """Learn every rank's process identity and watch the others from now on (see ``peers``);
+        the watch, for other groups of the same job. ``name_of(group rank)`` names a rank in
+        errors. Collective."""
+        rows = self.all_gather_json(ProcessIdentity.of().to_json(),
+                                    what="every rank's process identity")
+        self.peers = PeerWatch(peers=tuple((name_of(r), ProcessIdentity.from_json(row))
+                                           for r, row in enumerate(rows) if r != self.rank),
+                               interval_s=interval_s)
+        return self.peers
 
     # --- outcomes -----------------------------------------------------------------------------
 

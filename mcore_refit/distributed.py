@@ -15,7 +15,7 @@ import torch.distributed as dist
 from mcore_refit import compat
 from mcore_refit.config import ParallelConfig
 from mcore_refit.control import ControlGroup
-from mcore_refit.processes import PeerWatch, ProcessIdentity
+from mcore_refit.processes import PeerWatch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,13 +76,9 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int,
 def watch_peers(group: dist.ProcessGroup, *, name_of, interval_s: float,
                 timeout_s: float) -> PeerWatch:
     """A :class:`~mcore_refit.processes.PeerWatch` over the other ranks of the gloo ``group``
-    (``name_of(group rank)`` names them in errors). Collective: call on every rank of it."""
+    (see :meth:`ControlGroup.watch_peers`). Collective: call on every rank of it."""
     control = ControlGroup(group, timeout_s=timeout_s, name="the job's ranks")
-    rows = control.all_gather_json(ProcessIdentity.of().to_json(),
-                                   what="every rank's process identity")
-    return PeerWatch(peers=tuple((name_of(r), ProcessIdentity.from_json(row))
-                                 for r, row in enumerate(rows) if r != control.rank),
-                     interval_s=interval_s)
+    return control.watch_peers(name_of=name_of, interval_s=interval_s)
 
 
 @dataclass(frozen=True, kw_only=True)

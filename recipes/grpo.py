@@ -19,6 +19,7 @@ from mcore_refit.config import load_config
 from mcore_refit.grpo import job
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.logs import configure_logging
+from mcore_refit.processes import stop_on_sigterm
 
 
 def main(argv: list[str]) -> int:
@@ -33,14 +34,18 @@ def main(argv: list[str]) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     configure_logging(rank=rank, log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
     local_rank = int(os.environ["LOCAL_RANK"])
-    if config.refit.mode == "colocated":
-        summary = job.run_colocated(config, rank=rank, world_size=world_size,
-                                    local_rank=local_rank, job_id=_job_id(), resume=args.resume)
-    else:
-        summary = job.run_non_colocated(config, rank=rank, world_size=world_size,
-                                        local_rank=local_rank, resume=args.resume,
-                                        store_host=os.environ["MASTER_ADDR"],
-                                        store_port=int(os.environ["MASTER_PORT"]))
+    # torchrun stops every rank with SIGTERM once one failed: unwind (engines stopped, IPC files
+    # removed) and name the dead rank, rather than vanish.
+    with stop_on_sigterm():
+        if config.refit.mode == "colocated":
+            summary = job.run_colocated(config, rank=rank, world_size=world_size,
+                                        local_rank=local_rank, job_id=_job_id(),
+                                        resume=args.resume)
+        else:
+            summary = job.run_non_colocated(config, rank=rank, world_size=world_size,
+                                            local_rank=local_rank, resume=args.resume,
+                                            store_host=os.environ["MASTER_ADDR"],
+                                            store_port=int(os.environ["MASTER_PORT"]))
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0

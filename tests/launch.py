@@ -20,8 +20,10 @@ def free_port() -> int:
 
 
 def run_torchrun(script: str | Path, *args: str, nproc: int, timeout_s: float,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``script`` under torchrun with ``nproc`` ranks; raise with its output on failure."""
+                 env: dict[str, str] | None = None,
+                 expect_failure: bool = False) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun with ``nproc`` ranks; raise with its output on failure
+    (with ``expect_failure``, when it succeeds instead)."""
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -36,7 +38,7 @@ def run_torchrun(script: str | Path, *args: str, nproc: int, timeout_s: float,
             f"{' '.join(command)} did not finish within {timeout_s}s\n"
             f"--- stdout ---\n{error.stdout}\n--- stderr ---\n{error.stderr}"
         ) from error
-    if result.returncode != 0:
+    if (result.returncode != 0) != expect_failure:
         raise AssertionError(
             f"{' '.join(command)} exited with {result.returncode}\n"
             f"--- stdout ---\n{result.stdout[-10000:]}\n--- stderr ---\n{result.stderr[-10000:]}"

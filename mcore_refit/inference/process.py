@@ -104,7 +104,12 @@ class EngineProcess:
         if self._pending is not None:
             raise RuntimeError(f"command {command!r} sent while {self._pending!r} is pending")
         self._check_alive(command)
-        self._conn.send_bytes(encode_command(command, kwargs))
+        try:
+            self._conn.send_bytes(encode_command(command, kwargs))
+        except OSError:  # it died since the check: the pipe is broken
+            self._process.join(timeout=5)  # reap it, for its exit code
+            self._check_alive(command)
+            raise
         self._pending = command
 
     def wait(self, command: str) -> Any:
@@ -117,7 +122,7 @@ class EngineProcess:
                               f"{self._timeout_s:.0f}s")
         try:
             data = self._conn.recv_bytes()
-        except EOFError:
+        except (EOFError, OSError):  # OSError: it died with our command unread (reset)
             self._process.join(timeout=5)  # reap it, for its exit code
             raise EngineError(f"{self.alive_problem() or 'the inference engine closed its pipe'}"
                               f" during {command!r}") from None
@@ -136,7 +141,8 @@ class EngineProcess:
         if self._process.is_alive():
             try:
                 if self._pending is None:
-                    self._conn.send_bytes(encode_command("shutdown", {}))
+                    with contextlib.suppress(OSError):  # it may have died since the check
+                        self._conn.send_bytes(encode_command("shutdown", {}))
                     self._process.join(timeout=30)
             finally:
                 if self._process.is_alive():

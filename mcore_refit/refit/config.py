@@ -93,8 +93,10 @@ class TransportOptions:
     ipc_sharing: IpcSharing = "buffers"
     # Record peak device memory per refit (resets the device's peak-memory counter each refit).
     track_peak_memory: bool = True
-    # While waiting on a peer process (an engine's reply), check this often that it still lives:
-    # a dead peer is an error within this many seconds, not after the timeout.
+    # While waiting on a peer process (an engine's reply, another rank on the control plane),
+    # check this often that it still lives: a dead engine, trainer rank or inference rank is an
+    # error naming it within this many seconds, not after a timeout. Engine processes exit
+    # this long after their trainer died.
     liveness_s: float = 2.0
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ rank with the failing rank's traceback (root cause first), and bounded waits."""
 
 from __future__ import annotations
 
+import re
 import time
 
 from mcore_refit.control import ControlGroup, ControlTimeout, Outcome, RankFailure
@@ -90,3 +91,35 @@ def test_waits_are_bounded_and_name_what_they_waited_for(tmp_path):
         assert results[rank]["error"].startswith("timed out after 3 s waiting for "), results
         assert "on the control group" in results[rank]["error"]
         assert results[rank]["elapsed_s"] < 8
+
+
+def _a_peer_dies_elsewhere(rank: int) -> dict:
+    import os
+    import signal
+
+    from mcore_refit.control import PeerDied
+
+    control = ControlGroup(None, timeout_s=30)
+    control.watch_peers(name_of=lambda r: f"trainer rank {r}", interval_s=0.5)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1:
+        time.sleep(8)  # alive, but in no collective: nothing breaks rank 0's wait
+        return {"pid": os.getpid()}
+    started = time.monotonic()
+    try:
+        control.recv_json(src=1, what="rank 1's reply")
+    except PeerDied as error:
+        return {"message": str(error), "seconds": time.monotonic() - started}
+    return {"message": None}
+
+
+def test_a_wait_names_a_dead_rank_it_does_not_wait_for_within_the_liveness_interval(tmp_path):
+    results = run_ranks(_a_peer_dies_elsewhere, 3, tmp_path, timeout_s=60)
+    assert results[2] is None
+    assert results[1]["pid"] > 0
+    message = results[0]["message"]
+    assert message is not None and re.match(
+        r"trainer rank 2 \(pid \d+ on \S+\) died while rank 0 of the control group waited for "
+        r"rank 1's reply$", message), message
+    assert results[0]["seconds"] < 3.0, results[0]

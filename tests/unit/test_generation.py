@@ -124,6 +124,11 @@ class EchoServer:
     def do_unserialisable(self):
         return {1, 2}
 
+    def do_sleep(self, seconds):
+        import time
+
+        time.sleep(seconds)
+
     def close(self) -> None:
         pass
 
@@ -152,3 +157,30 @@ def test_an_engine_that_cannot_start_sends_its_traceback():
     message = str(raised.value)
     assert message.startswith("the inference engine failed 'start':\nTraceback"), message
     assert message.endswith("RuntimeError: no engine for this spec\n"), message
+
+
+def test_an_engine_killed_at_any_moment_is_reported_by_its_exit_code():
+    import os
+    import signal
+    import time
+
+    with EngineProcess(_EchoSpec(name="echo"), timeout_s=60.0, server=EchoServer) as engine:
+        os.kill(engine.pid, signal.SIGKILL)  # not reaped yet: the next command finds it dead
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=rf"^the inference engine process \(pid "
+                                              rf"{engine.pid}\) exited with code -9(; cannot "
+                                              r"run| during) 'echo'$"):
+            engine.call("echo")
+        assert time.monotonic() - started < 5.0
+
+
+def test_closing_an_engine_with_a_command_pending_kills_it_at_once():
+    import time
+
+    engine = EngineProcess(_EchoSpec(name="echo"), timeout_s=60.0, server=EchoServer)
+    engine.submit("sleep", seconds=60)
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5.0
+    assert engine.alive_problem() == f"the inference engine process (pid {engine.pid}) " \
+                                     "exited with code -9"

@@ -140,6 +140,7 @@ def main() -> int:
                                  "trainer_export", "inference_broadcast"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--job-id", default=None, help="names the CPU engines' IPC files")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     config = load_config(GRPOJobConfig, args.config, args.overrides)
@@ -150,7 +151,7 @@ def main() -> int:
             if config.refit.mode == "colocated":
                 job.ColocatedRollouts = faulty_colocated(args.fault, args.out)
                 job.run_colocated(config, rank=rank, world_size=world_size,
-                                  local_rank=local_rank, job_id=f"faults-{os.getpid()}",
+                                  local_rank=local_rank, job_id=args.job_id or f"faults-{os.environ['MASTER_PORT']}",
                                   resume=False)
             else:
                 job.DedicatedRollouts = faulty_dedicated(args.fault, args.out)

@@ -1,0 +1,82 @@
+"""The fault table (README, "Faults"): a process of a GRPO job is SIGKILLed at a chosen moment,
+with the default config; every surviving rank must report the dead process first and the whole
+job must have exited within the bound. Each row prints its measured times."""
+
+import json
+import re
+import time
+
+import pytest
+
+from mcore_refit.refit.ipc_owners import sweep_stale_files
+from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+from tests.launch import REPO_ROOT, run_torchrun
+
+FAULTS = REPO_ROOT / "tests" / "dist" / "scenarios" / "faults.py"
+COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
+NON_COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_non_colocated.yaml"
+# From the kill to the last rank's report, and to the end of the launch (every rank exited).
+BOUND_S = 15.0
+
+_ENGINE_DIED = (r"RankFailure: {what} failed on trainer rank 1: \w+Error: the inference engine "
+                r"process \(pid \d+\) exited with code -9")
+_PEER_DIED = r"PeerDied: {name} \(pid \d+ on \S+\) died"
+
+# fault, config, ranks, global rank killed (None: an engine process), first line on every
+# surviving rank
+ROWS = [
+    ("engine_before", COLOCATED, 2, None, _ENGINE_DIED.format(what="refit")),
+    ("engine_during", COLOCATED, 2, None, _ENGINE_DIED.format(what="refit")),
+    ("engine_after", COLOCATED, 2, None, _ENGINE_DIED.format(what="generate")),
+    ("trainer_export", COLOCATED, 2, 1, _PEER_DIED.format(name="trainer rank 1")),
+    ("trainer_export", NON_COLOCATED, 3, 1, _PEER_DIED.format(name="trainer rank 1")),
+    ("inference_broadcast", NON_COLOCATED, 3, 2, _PEER_DIED.format(name="inference rank 0")),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("faults") / "tiny-llama",
+                                 TinyModelSpec(num_layers=8))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault,config,nproc,killed,first_line", ROWS,
+                         ids=[f"{row[0]}-{row[1].stem.removeprefix('grpo_tiny_cpu_')}"
+                              for row in ROWS])
+def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
+        fault, config, nproc, killed, first_line, checkpoint, tmp_path):
+    ipc_dir = tmp_path / "ipc"
+    ipc_dir.mkdir()
+    run_torchrun(FAULTS, "--fault", fault, "--config", str(config), "--out", str(tmp_path),
+                 "--job-id", "faults", f"model.hf_path={checkpoint}",
+                 f"run.output_dir={tmp_path / 'run'}", "run.steps=3",
+                 f"refit.transport.ipc_dir={ipc_dir}", nproc=nproc, timeout_s=540,
+                 expect_failure=True)
+    ended = time.time()
+    kill = json.loads((tmp_path / "kill.json").read_text())
+    survivors = [rank for rank in range(nproc) if rank != killed]
+    reports = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text())
+               for rank in survivors}
+    timings = {f"rank {rank}": round(report["t"] - kill["t"], 2)
+               for rank, report in reports.items()}
+    timings["all exited"] = round(ended - kill["t"], 2)
+    print(f"{fault}: seconds from the kill of {kill['what']}: {timings}")
+    for rank, report in reports.items():
+        assert report["error"] is not None and re.match(first_line, report["error"]), (
+            rank, report["error"][:2000])
+    assert max(timings.values()) <= BOUND_S, timings
+    # Every rank that unwound removed its IPC files; a SIGKILLed trainer's are left for the next
+    # start-up's sweep, which takes exactly those.
+    if config is COLOCATED:
+        (private,) = ipc_dir.iterdir()
+        left = sorted(p.name for p in private.iterdir())
+        if killed is None:
+            assert left == []
+        else:  # named by the GPU's UUID on GPU, by the job and rank on CPU (with slots)
+            key = left[0].rsplit(".", 1)[0]
+            assert {name.rsplit(".", 1)[0] for name in left} == {key}, left
+            assert {"owner", "sock"} <= {name.rsplit(".", 1)[1] for name in left}, left
+            assert key.startswith("GPU-") or key == f"faults-rank{killed}", left
+            assert sorted(p.name for p in sweep_stale_files(private)) == left
+            assert list(private.iterdir()) == []
