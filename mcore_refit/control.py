@@ -289,6 +289,8 @@ class ControlGroup:
                     raise ControlTimeout(f"timed out after {seconds:g} s waiting for {what} on "
                                          f"{self.name} (rank {self.rank} of {self.size})")
         except Terminated as stopped:
+            # Raised where the slice's own timeout was being handled: that is no failure.
+            stopped.__context__ = None
             self._raise_if_peer_died(what, grace_s=0.5, cause=stopped)
             raise
 
@@ -320,10 +322,24 @@ class PendingWords:
 
 
 def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None:
-    """Raise :class:`PeerDied` naming a dead process of the job, caused by ``error``, if one is
-    found within half a second; else return. For a rank's outermost handler: a rank stopped by
-    the launcher, or failing in a wait that does not watch its peers, still names the cause."""
-    if isinstance(error, PeerDied) or peers is None:
+    """For a rank's outermost handler of ``error``: raise what names the root cause first, or
+    return (re-raise ``error`` then).
+
+    - a :class:`~mcore_refit.processes.Terminated` that interrupted the unwinding of another
+      error (the launcher stopped this rank while it was failing anyway): that error;
+    - an error that followed from a broken wait or a stop (:class:`ControlError`, a timeout,
+      ``Terminated``): :class:`PeerDied` naming a dead process of the job, if one is found
+      within half a second.
+
+    Errors that already name their cause (a :class:`RankFailure`, :class:`PeerDied`, a rank's
+    own exception) are left as they are: after a shared failure every rank exits, so a peer
+    found gone then is no cause.
+    """
+    if isinstance(error, Terminated) and error.__context__ is not None:
+        raise error.__context__
+    consequential = isinstance(error, Terminated) or "Timeout" in type(error).__name__ or (
+        isinstance(error, ControlError) and not isinstance(error, PeerDied))
+    if not consequential or peers is None:
         return
     dead = peers.first_dead(grace_s=0.5)
     if dead is not None:

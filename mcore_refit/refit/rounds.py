@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mcore_refit.control import ControlError, ControlGroup, Outcome, RankFailure
+from mcore_refit.control import ControlError, ControlGroup, Outcome, PeerDied, RankFailure
 from mcore_refit.refit.plan import RefitPlan
 from mcore_refit.refit.transport import RefitError, RefitTimeout
 
@@ -72,6 +72,8 @@ class RefitRounds:
                                          who=self._name_of, timeout_s=timeout_s)
         except RankFailure as error:
             raise RefitError(str(error)) from None
+        except PeerDied:
+            raise  # names the dead rank first as it is
         except ControlError as error:
             kind = RefitTimeout if "timed out" in str(error) else RefitError
             raise kind(f"sharing the outcome of refit {refit_index}: {error}") from None
@@ -79,6 +81,8 @@ class RefitRounds:
     def _all_gather(self, value, *, what: str, timeout_s: float) -> list:
         try:
             return self._control.all_gather_json(value, what=what, timeout_s=timeout_s)
+        except PeerDied:
+            raise
         except ControlError as error:
             kind = RefitTimeout if "timed out" in str(error) else RefitError
             raise kind(str(error)) from None

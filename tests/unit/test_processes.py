@@ -1,0 +1,71 @@
+"""SIGTERM as an exception, and which error a failing rank reports first."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mcore_refit.control import (
+    ControlError,
+    ControlTimeout,
+    Outcome,
+    PeerDied,
+    RankFailure,
+    raise_dead_peer_first,
+)
+from mcore_refit.processes import PeerWatch, ProcessIdentity, Terminated, stop_on_sigterm
+
+
+def dead_watch() -> PeerWatch:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = ProcessIdentity.of(child.pid)
+    child.wait()
+    return PeerWatch(peers=(("trainer rank 0", ProcessIdentity.of()),
+                            ("trainer rank 1", identity)), interval_s=0.5)
+
+
+def test_sigterm_raises_terminated_once_and_the_old_handler_comes_back():
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated, match="stopped by SIGTERM"):
+        with stop_on_sigterm():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # while unwinding: ignored
+                time.sleep(0.1)
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_a_broken_wait_or_a_stop_blames_the_dead_peer_first():
+    watch = dead_watch()
+    assert watch.first_dead() is not None
+    for error in (ControlError("the outcome failed: Connection closed by peer"),
+                  ControlTimeout("timed out after 5 s"), Terminated("stopped")):
+        with pytest.raises(PeerDied, match=rf"^trainer rank 1 \(pid \d+ on \S+\) died; then "
+                                           rf"this rank raised {type(error).__name__}: "):
+            raise_dead_peer_first(watch, error)
+
+
+def test_an_error_that_names_its_cause_is_kept():
+    watch = dead_watch()
+    failure = RankFailure("refit", [(1, Outcome(ok=False, error="EngineError: died",
+                                                 error_type="EngineError"))],
+                          who="trainer rank")
+    raise_dead_peer_first(watch, failure)  # returns: the caller re-raises it
+    raise_dead_peer_first(watch, ValueError("bad input"))
+    alive = PeerWatch(peers=(("trainer rank 0", ProcessIdentity.of()),), interval_s=0.5)
+    raise_dead_peer_first(alive, ControlTimeout("timed out"))
+    # The launcher's stop, landing while the rank unwound from a shared failure: that failure.
+    try:
+        try:
+            raise failure
+        finally:
+            raise Terminated("stopped")  # noqa: B012
+    except Terminated as stopped:
+        with pytest.raises(RankFailure) as raised:
+            raise_dead_peer_first(watch, stopped)
+        assert raised.value is failure
