@@ -233,7 +233,7 @@ class ControlGroup:
         errors. Collective."""
         rows = self.all_gather_json(ProcessIdentity.of().to_json(),
                                     what="every rank's process identity")
-        self.peers = PeerWatch(peers=tuple((name_of(r), ProcessIdentity.from_json(row))
+        self.peers = PeerWatch(peers=tuple((r, name_of(r), ProcessIdentity.from_json(row))
                                            for r, row in enumerate(rows) if r != self.rank),
                                interval_s=interval_s)
         return self.peers

@@ -130,11 +130,18 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True)
 class PeerWatch:
-    """The other processes of a job, each with the name errors give it (``"trainer rank 1"``),
-    checked every ``interval_s`` by the waits that take this watch."""
+    """The other processes of a job — ``(rank, name, identity)``, the name errors give it
+    (``"trainer rank 1"``) — checked every ``interval_s`` by the waits that take this watch."""
 
-    peers: tuple[tuple[str, ProcessIdentity], ...]
+    peers: tuple[tuple[int, str, ProcessIdentity], ...]
     interval_s: float
+
+    def among(self, ranks) -> PeerWatch:
+        """The watch over ``ranks`` only (the members of a smaller group): a process that is
+        not a member may end without breaking that group's waits."""
+        ranks = set(ranks)
+        return PeerWatch(peers=tuple(p for p in self.peers if p[0] in ranks),
+                         interval_s=self.interval_s)
 
     def first_dead(self, *, grace_s: float = 0.0) -> str | None:
         """``"<name> (pid N on host) died"`` for the first peer found gone, else None; with
@@ -142,7 +149,7 @@ class PeerWatch:
         on its way out)."""
         deadline = time.monotonic() + grace_s
         while True:
-            for name, identity in self.peers:
+            for _, name, identity in self.peers:
                 if identity.gone():
                     return f"{name} ({identity.describe()}) died"
             if time.monotonic() >= deadline:

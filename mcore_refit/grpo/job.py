@@ -60,8 +60,10 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
         policy, pad_token_id = build_trainer(config, job.context.device)
         # A trainer rank on an inference rank's device hands its buffers over without a link.
         prefer = {trainer for trainer, _ in job.placement.shared}
+        peers = job.context.peers
         source = weight_source(policy, job.context.control_group, config, job.context.device,
-                               prefer=prefer, peers=job.context.peers)
+                               prefer=prefer,
+                               peers=peers.among(range(job.num_trainer_ranks)) if peers else None)
         rollouts = DedicatedRollouts(config=config, job=job, source=source)
         try:
             return train(config, policy, rollouts, pad_token_id, job.context.device, resume)

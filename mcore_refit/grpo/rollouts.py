@@ -175,9 +175,11 @@ class DedicatedRollouts:
         self._lead = job.context.rank == 0
         timeout_s, peers = config.collective_timeout_s, job.context.peers
         self._trainers = ControlGroup(job.context.control_group, timeout_s=timeout_s,
-                                      name="the trainer ranks' control group", peers=peers)
+                                      name="the trainer ranks' control group",
+                                      peers=_among(peers, range(job.num_trainer_ranks)))
         self._commands = (ControlGroup(job.control_group, timeout_s=timeout_s,
-                                       name="the inference command group", peers=peers)
+                                       name="the inference command group",
+                                       peers=_among(peers, _command_ranks(job)))
                           if self._lead else None)
         # Planning reads every trainer rank's export layout: a collective over them.
         plan = plan_for_source(source, config=config.refit.plan, device=job.context.device)
@@ -283,7 +285,8 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
                              seed=config.run.seed + 1000 + job.context.rank)
     timeout_s, peers = config.collective_timeout_s, job.context.peers
     commands = ControlGroup(job.control_group, timeout_s=timeout_s,
-                            name="the inference command group", peers=peers)
+                            name="the inference command group",
+                            peers=_among(peers, _command_ranks(job)))
     shard, num_shards = job.context.rank, job.num_inference_ranks
     with WeightTransferEndpoint(engine=engine, device=device,
                                 options=config.refit.transport) as endpoint:
@@ -307,6 +310,15 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
                 commands.all_gather_json(reply.to_json(), what="the update_weights replies")
             else:
                 raise ValueError(f"unknown control command {op!r} from trainer rank 0")
+
+
+def _command_ranks(job: SplitJob) -> list[int]:
+    """The job ranks of the inference command group: trainer rank 0 and the inference ranks."""
+    return [0, *range(job.num_trainer_ranks, job.num_trainer_ranks + job.num_inference_ranks)]
+
+
+def _among(peers, ranks):
+    return peers.among(ranks) if peers is not None else None
 
 
 def _generate_shard(engine: InferenceEngine, command: dict, shard: int,

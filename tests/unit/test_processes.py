@@ -23,8 +23,8 @@ def dead_watch() -> PeerWatch:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     identity = ProcessIdentity.of(child.pid)
     child.wait()
-    return PeerWatch(peers=(("trainer rank 0", ProcessIdentity.of()),
-                            ("trainer rank 1", identity)), interval_s=0.5)
+    return PeerWatch(peers=((0, "trainer rank 0", ProcessIdentity.of()),
+                            (1, "trainer rank 1", identity)), interval_s=0.5)
 
 
 def test_sigterm_raises_terminated_once_and_the_old_handler_comes_back():
@@ -57,8 +57,9 @@ def test_an_error_that_names_its_cause_is_kept():
                           who="trainer rank")
     raise_dead_peer_first(watch, failure)  # returns: the caller re-raises it
     raise_dead_peer_first(watch, ValueError("bad input"))
-    alive = PeerWatch(peers=(("trainer rank 0", ProcessIdentity.of()),), interval_s=0.5)
+    alive = PeerWatch(peers=((0, "trainer rank 0", ProcessIdentity.of()),), interval_s=0.5)
     raise_dead_peer_first(alive, ControlTimeout("timed out"))
+    assert watch.among([0]).first_dead() is None  # rank 1 is no member of that group
     # The launcher's stop, landing while the rank unwound from a shared failure: that failure.
     try:
         try:
