@@ -8,18 +8,23 @@ its connection to that peer breaking.
 
 :func:`stop_on_sigterm` turns the launcher's SIGTERM (torchrun sends it to every rank when one
 rank failed) into a :class:`Terminated` exception, so a rank unwinds — closes its engine,
-removes its IPC files, reports what it knows — instead of vanishing.
+removes its IPC files, reports what it knows — instead of vanishing; :func:`exit_after` then
+ends a failed rank at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
+import sys
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 
 class Terminated(BaseException):
@@ -155,3 +160,21 @@ class PeerWatch:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+
+def exit_after(main: Callable[[], int]) -> NoReturn:
+    """Run ``main`` as a process's entry point and exit with its code. If it raises, print the
+    traceback and leave at once (``os._exit``): a failed rank skips the interpreter's clean-up
+    (seconds of module teardown, destructors of process groups whose peers are gone), so the
+    launcher sees the failure, and stops the other ranks, without delay."""
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(1)
+    sys.exit(code)

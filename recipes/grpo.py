@@ -19,7 +19,7 @@ from mcore_refit.config import load_config
 from mcore_refit.grpo import job
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.logs import configure_logging
-from mcore_refit.processes import stop_on_sigterm
+from mcore_refit.processes import exit_after, stop_on_sigterm
 
 
 def main(argv: list[str]) -> int:
@@ -61,4 +61,4 @@ def _job_id() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_after(lambda: main(sys.argv[1:]))

@@ -96,7 +96,7 @@ class BroadcastSender(RefitSender):
         self._rank = rank
         self._control = control
         self._options = options
-        self._streams = DeviceStreams(device)
+        self._streams = DeviceStreams(device, peers=getattr(control, "peers", None))
         self._rounds = RefitRounds(control, name_of=placement.name_of)
         self._ipc = placement.ipc_receivers(rank) if rank in plan.sources else []
         self._remote = placement.remote_receivers(rank) if rank in plan.sources else []
@@ -284,7 +284,7 @@ class BroadcastReceiver(RefitReceiver):
         self._receiver = receiver
         self._control = control
         self._options = options
-        self._streams = DeviceStreams(device)
+        self._streams = DeviceStreams(device, peers=getattr(control, "peers", None))
         self._rounds = RefitRounds(control, name_of=placement.name_of)
         self._data = {source: GroupCollectives(group=group, streams=self._streams)
                       for source, group in data_groups.items()}

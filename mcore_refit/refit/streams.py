@@ -11,15 +11,18 @@ import time
 
 import torch
 
-from mcore_refit.refit.transport import RefitTimeout
+from mcore_refit.refit.transport import RefitError, RefitTimeout
 
 
 class DeviceStreams:
     """Stream/event helpers for one device."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, peers=None) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        # A PeerWatch: host waits also end, naming it, when a peer process died (a device
+        # collective with a dead peer never completes).
+        self.peers = peers
 
     def new_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.Stream(device=self.device) if self.is_cuda else None
@@ -59,10 +62,16 @@ class DeviceStreams:
         deadline = start + timeout_s
         spin_until = start + 2e-3
         pause = 5e-5
+        check_at = start + (self.peers.interval_s if self.peers is not None else timeout_s)
         while not event.query():
             now = time.monotonic()
             if now > deadline:
                 raise RefitTimeout(f"timed out after {timeout_s:g} s waiting for {what}")
+            if now > check_at:
+                dead = self.peers.first_dead()
+                if dead is not None:
+                    raise RefitError(f"{dead} while this rank waited for {what}")
+                check_at = now + self.peers.interval_s
             if now > spin_until:
                 time.sleep(pause)
                 pause = min(pause * 2, 2e-4)

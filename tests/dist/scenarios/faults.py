@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from mcore_refit.config import load_config
 from mcore_refit.grpo import job, rollouts
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.inference.engine import InferenceEngine
-from mcore_refit.processes import stop_on_sigterm
+from mcore_refit.processes import exit_after, stop_on_sigterm
 
 VERSION = 1  # the refit the fault strikes: the first one after a training step
 
@@ -164,11 +163,11 @@ def main() -> int:
     except BaseException as error:  # Terminated included: report it like any failure
         (args.out / f"rank{rank}.json").write_text(json.dumps(
             {"t": time.time(), "error": f"{type(error).__name__}: {error}"}))
-        return 1
+        raise
     (args.out / f"rank{rank}.json").write_text(json.dumps({"t": time.time(), "error": None}))
     return 0
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    sys.exit(main())
+    exit_after(main)  # as recipes/grpo.py: a failed rank leaves at once
