@@ -327,6 +327,8 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
 
     - a :class:`~mcore_refit.processes.Terminated` that interrupted the unwinding of another
       error (the launcher stopped this rank while it was failing anyway): that error;
+    - a :class:`ControlError` raised while unwinding from a :class:`PeerDied` or
+      :class:`RankFailure` (a clean-up message to a peer that had left): the earliest of those;
     - an error that followed from a broken wait or a stop (:class:`ControlError`, a timeout,
       ``Terminated``): :class:`PeerDied` naming a dead process of the job, if one is found
       within half a second.
@@ -337,6 +339,16 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
     """
     if isinstance(error, Terminated) and error.__context__ is not None:
         raise error.__context__
+    if isinstance(error, ControlError):
+        # Raised while unwinding from an earlier failure that named its cause (a clean-up
+        # message to a peer that had already left): the earlier one.
+        earliest, context = None, error.__context__
+        while context is not None and context is not error:
+            if isinstance(context, (PeerDied, RankFailure)):
+                earliest = context
+            context = context.__context__
+        if earliest is not None:
+            raise earliest
     consequential = isinstance(error, Terminated) or "Timeout" in type(error).__name__ or (
         isinstance(error, ControlError) and not isinstance(error, PeerDied))
     if not consequential or peers is None:

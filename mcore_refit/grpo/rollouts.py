@@ -248,9 +248,11 @@ class DedicatedRollouts:
         return self._config.refit.transport.timeout_s
 
     def close(self) -> None:
-        if self._lead:
-            self._command({"op": "stop"})
-        self.refitter.close()
+        try:
+            if self._lead:
+                self._command({"op": "stop"})
+        finally:
+            self.refitter.close()
 
     def _command(self, command: dict) -> None:
         self._commands.broadcast_json(command, src=0, what=f"the {command['op']} command")

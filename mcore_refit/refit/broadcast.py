@@ -45,6 +45,7 @@ from mcore_refit.refit.ipc_memory import (
     open_slot,
     private_runtime_dir,
 )
+from mcore_refit.refit.ipc_owners import OwnerRecord, claim_owner, sweep_stale_files
 from mcore_refit.refit.plan import PlannedBuffer, RefitPlan, plan_from_json
 from mcore_refit.refit.producer import BufferProducer
 from mcore_refit.refit.rounds import RefitRounds
@@ -107,6 +108,7 @@ class BroadcastSender(RefitSender):
                                  "but has no data group")
             self._data = GroupCollectives(group=data_group, streams=self._streams)
         self._cpu_device_id = cpu_device_id
+        self._owner: OwnerRecord | None = None
         self._pipe: _Slots | None = None
         self._slot_files: list[Path] = []
         self._memory = DeviceMemoryProbe(self._streams.device,
@@ -164,6 +166,9 @@ class BroadcastSender(RefitSender):
         for path in self._slot_files:
             path.unlink(missing_ok=True)
         self._slot_files.clear()
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
         if self._pipe is not None:
             self._pipe.slots.close()
             self._pipe = None
@@ -175,9 +180,12 @@ class BroadcastSender(RefitSender):
             return BufferSlots.allocate(self.plan, self._streams.device)
         # CPU with receivers on this "device": shared-memory files they can map.
         directory = private_runtime_dir(self._options.ipc_dir)
+        key = f"{self._cpu_device_id}-trainer{self._rank}"
+        sweep_stale_files(directory)
+        self._owner = claim_owner(directory, key)  # the start-up sweep keeps them while we live
         slots = []
         for index in range(self.plan.num_held_slots):
-            path = directory / f"{self._cpu_device_id}-trainer{self._rank}.slot{index}"
+            path = directory / f"{key}.slot{index}"
             slots.append(create_shared_cpu_slot(path, self.plan.slot_capacity(index)))
             self._slot_files.append(path)
         return BufferSlots(plan=self.plan, slots=slots)

@@ -70,3 +70,18 @@ def test_an_error_that_names_its_cause_is_kept():
         with pytest.raises(RankFailure) as raised:
             raise_dead_peer_first(watch, stopped)
         assert raised.value is failure
+
+
+def test_a_clean_up_error_after_a_named_failure_reports_that_failure():
+    watch = dead_watch()
+    first = PeerDied("trainer rank 1 (pid 7 on host) died while rank 0 waited for refit 1")
+    try:
+        try:
+            raise first
+        finally:
+            raise PeerDied("inference rank 0 (pid 8 on host) died while rank 0 waited for "  # noqa: B012
+                           "the stop command")
+    except PeerDied as later:
+        with pytest.raises(PeerDied) as raised:
+            raise_dead_peer_first(watch, later)
+        assert raised.value is first
