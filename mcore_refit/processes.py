@@ -75,13 +75,9 @@ def start_time(pid: int) -> int | None:
     """The start time of process ``pid`` in clock ticks since boot; None if it is gone or this
     system has no ``/proc``."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            data = stat.read()
+        return int(_stat_fields(pid)[19])
     except OSError:
         return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; fields follow the last ")".
-    fields = data[data.rindex(b")") + 2:].split()
-    return int(fields[19])
 
 
 def pid_running(pid: int, *, start_time: int | None = None) -> bool:
@@ -96,16 +92,22 @@ def pid_running(pid: int, *, start_time: int | None = None) -> bool:
     except PermissionError:
         pass  # another user's process: it exists
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            data = stat.read()
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return False
     except OSError:
         return True  # no /proc: the signal probe above is all we know
-    fields = data[data.rindex(b")") + 2:].split()
     if fields[0] in (b"Z", b"X"):
         return False
     return start_time is None or int(fields[19]) == start_time
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        data = stat.read()
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    return data[data.rindex(b")") + 2:].split()
 
 
 @contextlib.contextmanager
