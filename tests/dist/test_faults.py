@@ -4,7 +4,10 @@ job must have exited within the bound. Each row prints its measured times."""
 
 import json
 import re
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +37,15 @@ ROWS = [
 ]
 
 
+@pytest.fixture
+def ipc_dir():
+    """A short parent for the private IPC directory (a Unix socket path has at most ~100
+    characters, and a GPU names its socket by a 36-character UUID)."""
+    path = Path(tempfile.mkdtemp(prefix="faults", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("faults") / "tiny-llama",
@@ -45,9 +57,7 @@ def checkpoint(tmp_path_factory):
                          ids=[f"{row[0]}-{row[1].stem.removeprefix('grpo_tiny_cpu_')}"
                               for row in ROWS])
 def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
-        fault, config, nproc, killed, first_line, checkpoint, tmp_path):
-    ipc_dir = tmp_path / "ipc"
-    ipc_dir.mkdir()
+        fault, config, nproc, killed, first_line, checkpoint, tmp_path, ipc_dir):
     run_torchrun(FAULTS, "--fault", fault, "--config", str(config), "--out", str(tmp_path),
                  "--job-id", "faults", f"model.hf_path={checkpoint}",
                  f"run.output_dir={tmp_path / 'run'}", "run.steps=3",
