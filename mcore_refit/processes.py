@@ -164,6 +164,14 @@ class PeerWatch:
             time.sleep(0.05)
 
 
+def root_failure(error: BaseException) -> BaseException:
+    """``error``, or the failure a :class:`Terminated` interrupted while this rank unwound from
+    it (what the rank reports; its traceback prints that failure first too)."""
+    while isinstance(error, Terminated) and error.__context__ is not None:
+        error = error.__context__
+    return error
+
+
 def exit_after(main: Callable[[], int]) -> NoReturn:
     """Run ``main`` as a process's entry point and exit with its code. If it raises, print the
     traceback and leave at once (``os._exit``): a failed rank skips the interpreter's clean-up

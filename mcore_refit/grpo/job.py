@@ -35,9 +35,12 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
         rollouts = ColocatedRollouts(config=config, context=context, source=source,
                                      job_id=job_id)
         try:
-            return train(config, policy, rollouts, pad_token_id, context.device, resume)
-        finally:
-            rollouts.close()
+            summary = train(config, policy, rollouts, pad_token_id, context.device, resume)
+        except BaseException:
+            rollouts.close(failed=True)
+            raise
+        rollouts.close()
+        return summary
     except BaseException as error:
         raise_dead_peer_first(context.peers, error)
         raise
@@ -66,9 +69,12 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
                                peers=peers.among(range(job.num_trainer_ranks)) if peers else None)
         rollouts = DedicatedRollouts(config=config, job=job, source=source)
         try:
-            return train(config, policy, rollouts, pad_token_id, job.context.device, resume)
-        finally:
-            rollouts.close()
+            summary = train(config, policy, rollouts, pad_token_id, job.context.device, resume)
+        except BaseException:
+            rollouts.close(failed=True)
+            raise
+        rollouts.close()
+        return summary
     except BaseException as error:
         raise_dead_peer_first(job.context.peers, error)
         raise

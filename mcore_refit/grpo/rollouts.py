@@ -28,13 +28,14 @@ Completions travel between processes and ranks as JSON (``completions_to_json``)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mcore_refit.control import ControlGroup, Outcome, RankFailure
+from mcore_refit.control import ControlError, ControlGroup, Outcome, RankFailure
 from mcore_refit.distributed import DistributedContext, SplitJob
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
@@ -156,7 +157,7 @@ class ColocatedRollouts:
             self._released = False
         self.engine.submit("update_weights", weight_version=weight_version)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         try:
             if self.refitter is not None:
                 self.refitter.close()
@@ -247,10 +248,14 @@ class DedicatedRollouts:
     def _reply_timeout_s(self) -> float:
         return self._config.refit.transport.timeout_s
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the inference ranks and close the refitter. After a failure (``failed``) the
+        stop command is best effort: an inference rank that already left cannot take it, and
+        that must not hide the failure being raised."""
         try:
             if self._lead:
-                self._command({"op": "stop"})
+                with contextlib.suppress(*((ControlError,) if failed else ())):
+                    self._command({"op": "stop"})
         finally:
             self.refitter.close()
 

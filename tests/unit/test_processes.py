@@ -16,7 +16,13 @@ from mcore_refit.control import (
     RankFailure,
     raise_dead_peer_first,
 )
-from mcore_refit.processes import PeerWatch, ProcessIdentity, Terminated, stop_on_sigterm
+from mcore_refit.processes import (
+    PeerWatch,
+    ProcessIdentity,
+    Terminated,
+    root_failure,
+    stop_on_sigterm,
+)
 
 
 def dead_watch() -> PeerWatch:
@@ -70,6 +76,8 @@ def test_an_error_that_names_its_cause_is_kept():
         with pytest.raises(RankFailure) as raised:
             raise_dead_peer_first(watch, stopped)
         assert raised.value is failure
+        assert root_failure(stopped) is failure
+    assert root_failure(failure) is failure
 
 
 def test_a_clean_up_error_after_a_named_failure_reports_that_failure():

@@ -29,7 +29,7 @@ from mcore_refit.config import load_config
 from mcore_refit.grpo import job, rollouts
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.inference.engine import InferenceEngine
-from mcore_refit.processes import exit_after, stop_on_sigterm
+from mcore_refit.processes import exit_after, root_failure, stop_on_sigterm
 
 VERSION = 1  # the refit the fault strikes: the first one after a training step
 
@@ -161,8 +161,9 @@ def main() -> int:
                                       store_host=os.environ["MASTER_ADDR"],
                                       store_port=int(os.environ["MASTER_PORT"]))
     except BaseException as error:  # Terminated included: report it like any failure
+        reported = root_failure(error)  # what the recipe's traceback shows first
         (args.out / f"rank{rank}.json").write_text(json.dumps(
-            {"t": time.time(), "error": f"{type(error).__name__}: {error}"}))
+            {"t": time.time(), "error": f"{type(reported).__name__}: {reported}"}))
         raise
     (args.out / f"rank{rank}.json").write_text(json.dumps({"t": time.time(), "error": None}))
     return 0
