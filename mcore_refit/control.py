@@ -338,7 +338,7 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
     found gone then is no cause.
     """
     if isinstance(error, Terminated) and error.__context__ is not None:
-        raise error.__context__
+        raise error.__context__ from None  # its traceback, without the stop after it
     if isinstance(error, ControlError):
         # Raised while unwinding from an earlier failure that named its cause (a clean-up
         # message to a peer that had already left): the earlier one.
@@ -348,7 +348,7 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
                 earliest = context
             context = context.__context__
         if earliest is not None:
-            raise earliest
+            raise earliest from None
     consequential = isinstance(error, Terminated) or "Timeout" in type(error).__name__ or (
         isinstance(error, ControlError) and not isinstance(error, PeerDied))
     if not consequential or peers is None:

@@ -73,10 +73,10 @@ def test_an_error_that_names_its_cause_is_kept():
         finally:
             raise Terminated("stopped")  # noqa: B012
     except Terminated as stopped:
+        assert root_failure(stopped) is failure
         with pytest.raises(RankFailure) as raised:
             raise_dead_peer_first(watch, stopped)
         assert raised.value is failure
-        assert root_failure(stopped) is failure
     assert root_failure(failure) is failure
 
 
