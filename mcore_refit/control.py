@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -36,6 +37,9 @@ from mcore_refit.processes import PeerWatch, ProcessIdentity, Terminated
 
 # Error text travels in full up to this many characters (the tail is kept: it has the cause).
 MAX_ERROR_CHARS = 16384
+# How a collective (gloo) or a pipe says that the process at the other end went away.
+_BROKEN_CONNECTION = re.compile(r"Connection closed by peer|Connection reset by peer|"
+                                r"Broken pipe")
 
 
 class ControlError(RuntimeError):
@@ -330,8 +334,8 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
     - a :class:`ControlError` raised while unwinding from a :class:`PeerDied` or
       :class:`RankFailure` (a clean-up message to a peer that had left): the earliest of those;
     - an error that followed from a broken wait or a stop (:class:`ControlError`, a timeout,
-      ``Terminated``): :class:`PeerDied` naming a dead process of the job, if one is found
-      within half a second.
+      ``Terminated``, a collective whose connection a peer closed): :class:`PeerDied` naming a
+      dead process of the job, if one is found within half a second.
 
     Errors that already name their cause (a :class:`RankFailure`, :class:`PeerDied`, a rank's
     own exception) are left as they are: after a shared failure every rank exits, so a peer
@@ -349,8 +353,9 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
             context = context.__context__
         if earliest is not None:
             raise earliest from None
-    consequential = isinstance(error, Terminated) or "Timeout" in type(error).__name__ or (
-        isinstance(error, ControlError) and not isinstance(error, PeerDied))
+    consequential = (isinstance(error, Terminated) or "Timeout" in type(error).__name__
+                     or (isinstance(error, ControlError) and not isinstance(error, PeerDied))
+                     or _BROKEN_CONNECTION.search(str(error)) is not None)
     if not consequential or peers is None:
         return
     dead = peers.first_dead(grace_s=0.5)

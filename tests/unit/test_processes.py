@@ -50,7 +50,9 @@ def test_a_broken_wait_or_a_stop_blames_the_dead_peer_first():
     watch = dead_watch()
     assert watch.first_dead() is not None
     for error in (ControlError("the outcome failed: Connection closed by peer"),
-                  ControlTimeout("timed out after 5 s"), Terminated("stopped")):
+                  ControlTimeout("timed out after 5 s"), Terminated("stopped"),
+                  RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer "
+                               "[127.0.0.1]:58031")):
         with pytest.raises(PeerDied, match=rf"^trainer rank 1 \(pid \d+ on \S+\) died; then "
                                            rf"this rank raised {type(error).__name__}: "):
             raise_dead_peer_first(watch, error)
