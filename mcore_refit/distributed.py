@@ -6,6 +6,7 @@ Library code never reads the environment; recipes read torchrun's variables and 
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from mcore_refit import compat
 from mcore_refit.config import ParallelConfig
 from mcore_refit.control import ControlGroup
 from mcore_refit.processes import PeerWatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,12 +162,19 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def shutdown() -> None:
-    """Tear down Megatron's groups and torch.distributed. Safe to call after a failure."""
+def shutdown(*, failed: bool = False) -> None:
+    """Tear down Megatron's groups and torch.distributed. Safe to call after a failure: with
+    ``failed`` (a peer may be gone, a group broken) errors of the teardown are logged, not
+    raised, so they never replace the failure being raised."""
     if not dist.is_initialized():
         return
-    destroy_model_parallel()
-    dist.destroy_process_group()
+    try:
+        destroy_model_parallel()
+        dist.destroy_process_group()
+    except Exception:
+        if not failed:
+            raise
+        logger.warning("tearing down the process groups after a failure", exc_info=True)
 
 
 @dataclass(frozen=True, kw_only=True)

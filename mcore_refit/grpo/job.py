@@ -28,6 +28,7 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
                                            local_rank=local_rank,
                                            timeout_s=config.collective_timeout_s,
                                            liveness_s=config.refit.transport.liveness_s)
+    failed = True
     try:
         policy, pad_token_id = build_trainer(config, context.device)
         source = weight_source(policy, context.control_group, config, context.device,
@@ -40,12 +41,13 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
             rollouts.close(failed=True)
             raise
         rollouts.close()
+        failed = False
         return summary
     except BaseException as error:
         raise_dead_peer_first(context.peers, error)
         raise
     finally:
-        distributed.shutdown()
+        distributed.shutdown(failed=failed)
 
 
 def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
@@ -56,9 +58,11 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
                                      store_host=store_host, store_port=store_port,
                                      timeout_s=config.collective_timeout_s,
                                      liveness_s=config.refit.transport.liveness_s)
+    failed = True
     try:
         if not job.is_trainer:
             serve_inference(config=config, job=job)
+            failed = False
             return None
         policy, pad_token_id = build_trainer(config, job.context.device)
         # A trainer rank on an inference rank's device hands its buffers over without a link.
@@ -74,12 +78,13 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
             rollouts.close(failed=True)
             raise
         rollouts.close()
+        failed = False
         return summary
     except BaseException as error:
         raise_dead_peer_first(job.context.peers, error)
         raise
     finally:
-        distributed.shutdown()
+        distributed.shutdown(failed=failed)
 
 
 def build_trainer(config: GRPOJobConfig, device: torch.device) -> tuple[Policy, int]:

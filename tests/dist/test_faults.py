@@ -77,7 +77,7 @@ def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
     print(f"{fault}: seconds from the kill of {kill['what']}: {timings}")
     for rank, report in reports.items():
         assert report["error"] is not None and re.match(first_line, report["error"]), (
-            rank, report["error"][:2000])
+            rank, report["error"][:2000], report.get("traceback", "")[-6000:])
     assert max(t for who, t in timings.items() if who != "all exited") <= BOUND_S, timings
     assert timings["all exited"] <= EXIT_BOUND_S, timings
     # Every rank that unwound removed its IPC files; a SIGKILLed trainer's are left for the next

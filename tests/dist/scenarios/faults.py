@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -163,7 +164,8 @@ def main() -> int:
     except BaseException as error:  # Terminated included: report it like any failure
         reported = root_failure(error)  # what the recipe's traceback shows first
         (args.out / f"rank{rank}.json").write_text(json.dumps(
-            {"t": time.time(), "error": f"{type(reported).__name__}: {reported}"}))
+            {"t": time.time(), "error": f"{type(reported).__name__}: {reported}",
+             "traceback": "".join(traceback.format_exception(error))}))
         raise
     (args.out / f"rank{rank}.json").write_text(json.dumps({"t": time.time(), "error": None}))
     return 0
