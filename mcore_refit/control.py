@@ -329,39 +329,43 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
     """For a rank's outermost handler of ``error``: raise what names the root cause first, or
     return (re-raise ``error`` then).
 
-    - a :class:`~mcore_refit.processes.Terminated` that interrupted the unwinding of another
-      error (the launcher stopped this rank while it was failing anyway): that error;
-    - a :class:`ControlError` raised while unwinding from a :class:`PeerDied` or
-      :class:`RankFailure` (a clean-up message to a peer that had left): the earliest of those;
-    - an error that followed from a broken wait or a stop (:class:`ControlError`, a timeout,
-      ``Terminated``, a collective whose connection a peer closed): :class:`PeerDied` naming a
-      dead process of the job, if one is found within half a second.
+    - an error that only followed from a broken wait or a stop (:func:`is_consequential`: a
+      :class:`ControlError`, a timeout, ``Terminated``, a collective whose connection a peer
+      closed) raised while this rank unwound from an error that names its cause (a
+      :class:`PeerDied`, a :class:`RankFailure`, a rank's own exception): the earliest such;
+      a :class:`PeerDied` raised while unwinding from an earlier one (or a ``RankFailure``):
+      that one;
+    - otherwise, a consequential error: :class:`PeerDied` naming a dead process of the job, if
+      one is found within half a second.
 
-    Errors that already name their cause (a :class:`RankFailure`, :class:`PeerDied`, a rank's
-    own exception) are left as they are: after a shared failure every rank exits, so a peer
-    found gone then is no cause.
+    Errors that name their cause are left as they are: after a shared failure every rank
+    exits, so a peer found gone then is no cause.
     """
-    if isinstance(error, Terminated) and error.__context__ is not None:
-        raise error.__context__ from None  # its traceback, without the stop after it
-    if isinstance(error, ControlError):
-        # Raised while unwinding from an earlier failure that named its cause (a clean-up
-        # message to a peer that had already left): the earlier one.
-        earliest, context = None, error.__context__
-        while context is not None and context is not error:
-            if isinstance(context, (PeerDied, RankFailure)):
-                earliest = context
-            context = context.__context__
-        if earliest is not None:
-            raise earliest from None
-    consequential = (isinstance(error, Terminated) or "Timeout" in type(error).__name__
-                     or (isinstance(error, ControlError) and not isinstance(error, PeerDied))
-                     or _BROKEN_CONNECTION.search(str(error)) is not None)
-    if not consequential or peers is None:
+    if not isinstance(error, PeerDied) and not is_consequential(error):
+        return
+    earliest, context = None, error.__context__
+    while context is not None and context is not error:
+        if (isinstance(context, (PeerDied, RankFailure)) if isinstance(error, PeerDied)
+                else not is_consequential(context)):
+            earliest = context
+        context = context.__context__
+    if earliest is not None:
+        raise earliest from None  # its traceback, without what followed it
+    if peers is None or isinstance(error, PeerDied):
         return
     dead = peers.first_dead(grace_s=0.5)
     if dead is not None:
         raise PeerDied(f"{dead}; then this rank raised {type(error).__name__}: "
                        f"{error}") from error
+
+
+def is_consequential(error: BaseException) -> bool:
+    """Whether ``error`` only says that a wait broke or the rank was stopped — the cause lies
+    elsewhere — rather than naming what failed."""
+    if isinstance(error, (PeerDied, RankFailure)):
+        return False
+    return (isinstance(error, (Terminated, ControlError)) or "Timeout" in type(error).__name__
+            or _BROKEN_CONNECTION.search(str(error)) is not None)
 
 
 def _is_timeout(text: str) -> bool:
