@@ -35,12 +35,7 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
                                peers=context.peers)
         rollouts = ColocatedRollouts(config=config, context=context, source=source,
                                      job_id=job_id)
-        try:
-            summary = train(config, policy, rollouts, pad_token_id, context.device, resume)
-        except BaseException:
-            rollouts.close(failed=True)
-            raise
-        rollouts.close()
+        summary = train_and_close(config, policy, rollouts, pad_token_id, context.device, resume)
         failed = False
         return summary
     except BaseException as error:
@@ -72,12 +67,8 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
                                prefer=prefer,
                                peers=peers.among(range(job.num_trainer_ranks)) if peers else None)
         rollouts = DedicatedRollouts(config=config, job=job, source=source)
-        try:
-            summary = train(config, policy, rollouts, pad_token_id, job.context.device, resume)
-        except BaseException:
-            rollouts.close(failed=True)
-            raise
-        rollouts.close()
+        summary = train_and_close(config, policy, rollouts, pad_token_id, job.context.device,
+                                  resume)
         failed = False
         return summary
     except BaseException as error:
@@ -105,6 +96,18 @@ def weight_source(policy: Policy, control_group: dist.ProcessGroup, config: GRPO
     control = ControlGroup(control_group, timeout_s=config.collective_timeout_s,
                            name="the trainer ranks' control group", peers=peers)
     return policy.weight_source(control=control, prefer=prefer)
+
+
+def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts, pad_token_id: int,
+                    device: torch.device, resume: bool) -> dict:
+    """:func:`train`, then close ``rollouts`` (after a failure, without waiting on peers)."""
+    try:
+        summary = train(config, policy, rollouts, pad_token_id, device, resume)
+    except BaseException:
+        rollouts.close(failed=True)
+        raise
+    rollouts.close()
+    return summary
 
 
 def train(config: GRPOJobConfig, policy: Policy, rollouts, pad_token_id: int,
