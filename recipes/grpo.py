@@ -32,13 +32,15 @@ def main(argv: list[str]) -> int:
     config = load_config(GRPOJobConfig, args.config, args.overrides)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     configure_logging(rank=rank, log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
-    local_rank = int(os.environ["LOCAL_RANK"])
+    # Each node's own ranks: they pick the GPUs of their node (multi-node launches too).
+    local = dict(local_rank=int(os.environ["LOCAL_RANK"]),
+                 local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
     if config.refit.mode == "colocated":
-        summary = job.run_colocated(config, rank=rank, world_size=world_size,
-                                    local_rank=local_rank, job_id=_job_id(), resume=args.resume)
+        summary = job.run_colocated(config, rank=rank, world_size=world_size, **local,
+                                    job_id=_job_id(), resume=args.resume)
     else:
-        summary = job.run_non_colocated(config, rank=rank, world_size=world_size,
-                                        local_rank=local_rank, resume=args.resume,
+        summary = job.run_non_colocated(config, rank=rank, world_size=world_size, **local,
+                                        resume=args.resume,
                                         store_host=os.environ["MASTER_ADDR"],
                                         store_port=int(os.environ["MASTER_PORT"]))
     if rank == 0:

@@ -21,10 +21,11 @@ from mcore_refit.refit.export import ModelExport
 
 
 def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
-                  job_id: str, resume: bool) -> dict:
+                  local_world_size: int, job_id: str, resume: bool) -> dict:
     """Every rank trains and refits an engine process on its own device."""
     context = distributed.init_distributed(rank=rank, world_size=world_size,
                                            local_rank=local_rank,
+                                           local_world_size=local_world_size,
                                            timeout_s=config.collective_timeout_s)
     try:
         policy, pad_token_id = build_trainer(config, context.device)
@@ -40,9 +41,11 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
 
 
 def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
-                      resume: bool, store_host: str, store_port: int) -> dict | None:
+                      local_world_size: int, resume: bool, store_host: str,
+                      store_port: int) -> dict | None:
     """The last ``inference.num_ranks`` ranks serve inference; the others train and refit them."""
     job = distributed.init_split_job(rank=rank, world_size=world_size, local_rank=local_rank,
+                                     local_world_size=local_world_size,
                                      num_inference_ranks=config.inference.num_ranks,
                                      store_host=store_host, store_port=store_port,
                                      timeout_s=config.collective_timeout_s)
