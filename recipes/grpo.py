@@ -1,6 +1,10 @@
 """GRPO with the refit engine in the loop, colocated or non-colocated.
 
-    torchrun --nproc-per-node N recipes/grpo.py --config configs/X.yaml [key=value ...] [--resume]
+    torchrun --standalone --nproc-per-node N recipes/grpo.py --config configs/X.yaml \
+        [key=value ...] [--resume]
+
+--standalone lets torchrun pick a free port, so several jobs share a host; a multi-node launch
+runs one agent per node with --nnodes, --node-rank and a common --master-addr/--master-port.
 
 Colocated (refit.mode: colocated): every rank trains and spawns an inference engine on its own
 device. Non-colocated: the last inference.num_ranks ranks serve inference on their own devices.
@@ -51,8 +55,8 @@ def main(argv: list[str]) -> int:
 def _job_id() -> str:
     """Unique among the jobs running on this host (names the CPU engines' sockets).
 
-    A plain ``torchrun`` leaves TORCHELASTIC_RUN_ID at "none"; the rendezvous port tells
-    concurrent jobs apart.
+    ``--standalone`` gives each launch its own run id; a plain ``torchrun`` leaves
+    TORCHELASTIC_RUN_ID at "none", and then the rendezvous port tells concurrent jobs apart.
     """
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'grpo')}-{os.environ['MASTER_PORT']}"
 
