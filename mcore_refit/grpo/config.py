@@ -170,6 +170,9 @@ class RunConfig:
             raise ConfigError(f"`eval_every` must be ≥ 0, got {self.eval_every}")
         if self.log_every < 0:
             raise ConfigError(f"`log_every` must be ≥ 0, got {self.log_every}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("`tensorboard` is true but the tensorboard package (pinned in "
+                              "requirements.txt) is not installed; install it or set it to false")
         if self.checkpoint_every < 0:
             raise ConfigError(f"`checkpoint_every` must be ≥ 0, got {self.checkpoint_every}")
 

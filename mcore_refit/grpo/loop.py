@@ -144,7 +144,8 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     metrics_writer.close()
     if is_logging_rank and config.run.plot:
         plot = plot_metrics(read_metrics(output_dir), output_dir / PLOT_FILE,
-                            title=f"GRPO {config.refit.mode}, {config.model.hf_path}")
+                            title=f"GRPO, refit.mode={config.refit.mode}, "
+                                  f"model {Path(config.model.hf_path).name}")
         logger.info("metrics plotted to %s", plot)
     evaluated = {"eval_reward_last": history.eval_rewards[-1]} if history.eval_rewards else {}
     return {

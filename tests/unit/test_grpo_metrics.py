@@ -121,6 +121,15 @@ def test_wandb_without_the_extra_is_a_config_error(tmp_path, monkeypatch):
         job_config(tmp_path, "run.wandb.mode=cloud")
 
 
+def test_tensorboard_without_its_package_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ConfigError, match=re.escape(
+            "run.tensorboard is true but the tensorboard package (pinned in requirements.txt) is "
+            "not installed; install it or set it to false")):
+        job_config(tmp_path)
+    assert not job_config(tmp_path, "run.tensorboard=false").run.tensorboard
+
+
 def test_console_shows_a_bar_and_a_summary_line_every_n_steps(capsys):
     console = Console(total=10, initial=0, log_every=5, enabled=True)
     for row in records(10):
