@@ -24,6 +24,7 @@ class Console:
         self._total = total
         self._rewards: list[float] = []
         self._eval_reward: float | None = None
+        self._enabled = enabled
         self._bar = None
         if enabled:
             self._bar = tqdm(total=total, initial=initial, desc="grpo", unit="step",
@@ -58,6 +59,12 @@ class Console:
         return " | ".join(parts)
 
     def close(self) -> None:
+        """End the bar; :meth:`write` still works."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def write(self, line: str) -> None:
+        """One line on the terminal, below the bar (only if ``enabled``)."""
+        if self._enabled:
+            tqdm.write(line, file=sys.stderr)

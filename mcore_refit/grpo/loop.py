@@ -26,7 +26,7 @@ from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.console import Console
 from mcore_refit.grpo.evaluation import Evaluator
 from mcore_refit.grpo.loss import GRPOLoss, group_advantages, logprob_mult_err
-from mcore_refit.grpo.metrics import MetricsWriter, read_metrics, refit_metrics
+from mcore_refit.grpo.metrics import METRICS_FILE, MetricsWriter, read_metrics, refit_metrics
 from mcore_refit.grpo.plot import PLOT_FILE, plot_metrics
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
@@ -146,7 +146,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
         plot = plot_metrics(read_metrics(output_dir), output_dir / PLOT_FILE,
                             title=f"GRPO, refit.mode={config.refit.mode}, "
                                   f"model {Path(config.model.hf_path).name}")
-        logger.info("metrics plotted to %s", plot)
+        console.write(f"metrics: {output_dir / METRICS_FILE}, plot: {plot}")
     evaluated = {"eval_reward_last": history.eval_rewards[-1]} if history.eval_rewards else {}
     return {
         "steps": config.run.steps - start_step,

@@ -135,8 +135,10 @@ def test_console_shows_a_bar_and_a_summary_line_every_n_steps(capsys):
     for row in records(10):
         console.update(row)
     console.close()
+    console.write("metrics: run/metrics.jsonl, plot: run/metrics.png")
     captured = capsys.readouterr()
     assert captured.out == ""  # stdout is left to the run's final JSON line
+    assert captured.err.endswith("\nmetrics: run/metrics.jsonl, plot: run/metrics.png\n")
     lines = [line for line in re.split(r"[\r\n]", captured.err) if line.startswith("step ")]
     assert lines == [
         "step 5/10 | reward 0.150 (mean of last 5) | eval reward 0.500 | mult_err 1.0000004 "
@@ -152,6 +154,7 @@ def test_a_disabled_console_prints_nothing(capsys):
     console = Console(total=2, initial=0, log_every=1, enabled=False)
     console.update(records(1)[0])
     console.close()
+    console.write("not shown")
     assert capsys.readouterr() == ("", "")
 
 
