@@ -12,6 +12,8 @@ set -u
 D=${OUT:-.}/multinode; mkdir -p "$D"; export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEPS=${STEPS:-20} BUDGET_S=${BUDGET_S:-570}
+# A dry run on CPU: MODEL=/tmp/mn-model TINY=/tmp/mn-tiny MODEL_ARGS="--layers 2" STEPS=1
+MODEL=${MODEL:-/tmp/llama-0.5b} TINY=${TINY:-/tmp/tiny-llama}
 source "$(dirname "$0")/steps.sh"
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -31,15 +33,15 @@ two_nodes() {  # two_nodes NAME LIMIT SCRIPT ARGS...: node 1 in the background, 
   summarize "$name"
 }
 
-python3 recipes/make_tiny_model.py /tmp/tiny-llama --layers 8 > /dev/null || exit 1
-python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \
-  --kv-heads 4 > /dev/null || exit 1
+python3 recipes/make_tiny_model.py "$TINY" --layers 8 > /dev/null || exit 1
+python3 recipes/make_tiny_model.py "$MODEL" \
+  ${MODEL_ARGS:---layers 24 --hidden-size 1536 --heads 12 --kv-heads 4} > /dev/null || exit 1
 
 two_nodes multinode_colocated 200 recipes/grpo.py --config configs/grpo_tiny_cpu_colocated.yaml \
-  model.hf_path=/tmp/tiny-llama run.steps="$STEPS" run.verify_refit=true \
+  model.hf_path="$TINY" run.steps="$STEPS" run.verify_refit=true \
   run.output_dir=runs/multinode_colocated
 two_nodes multinode_non_colocated 300 recipes/grpo.py \
-  --config configs/grpo_gpu_non_colocated_pp2_vpp2.yaml parallel.pipeline=1 \
+  --config configs/grpo_gpu_non_colocated_pp2_vpp2.yaml model.hf_path="$MODEL" parallel.pipeline=1 \
   parallel.virtual_pipeline=null inference.num_ranks=1 run.steps="$STEPS" run.verify_refit=true \
   run.output_dir=runs/multinode_non_colocated
 for run in colocated non_colocated; do
