@@ -105,7 +105,7 @@ def test_wandb_gets_the_config_and_every_scalar(tmp_path, monkeypatch):
     assert init_kwargs["project"] == "grpo-demo" and init_kwargs["mode"] == "offline"
     assert init_kwargs["dir"] == str(tmp_path) and init_kwargs["name"] is None
     assert init_kwargs["config"]["run"]["wandb"]["project"] == "grpo-demo"
-    assert init_kwargs["config"]["policy"]["optimizer"]["lr"] == 0.003
+    assert init_kwargs["config"]["policy"]["optimizer"]["lr"] == config.policy.optimizer.lr
     assert log == ("log", {"reward_mean": 0.5, "tokens": 7}, 1)
     assert finish == ("finish",)
 
