@@ -29,6 +29,11 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     return averages
 
 
+def reward_limits(values: Sequence[float], *, margin: float = 0.02) -> tuple[float, float]:
+    """The reward axis: [0, 1] unless a penalty (truncation) or a bonus goes outside it."""
+    return min(0.0, *values) - margin, max(1.0, *values) + margin
+
+
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, *,
                  title: str = "GRPO run") -> Path:
     """Draw ``records`` (metrics.jsonl rows) into a PNG at ``path``; returns the path."""
@@ -52,7 +57,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, *,
         reward_ax.plot(*zip(*evals, strict=True), color="tab:orange", marker="o", linewidth=1.5,
                        label="eval (greedy)")
     reward_ax.set_ylabel("mean reward")
-    reward_ax.set_ylim(-0.02, 1.02)
+    reward_ax.set_ylim(*reward_limits(rewards + [value for _, value in evals]))
     reward_ax.grid(alpha=0.3)
     reward_ax.legend(loc="upper left", fontsize="small")
 

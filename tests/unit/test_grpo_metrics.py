@@ -19,7 +19,7 @@ from mcore_refit.grpo import loop
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.console import Console
 from mcore_refit.grpo.metrics import MetricsWriter, read_metrics, refit_metrics
-from mcore_refit.grpo.plot import moving_average, plot_metrics
+from mcore_refit.grpo.plot import moving_average, plot_metrics, reward_limits
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts
 from mcore_refit.refit.telemetry import RefitTelemetry
@@ -163,6 +163,12 @@ def test_moving_average():
     assert moving_average([2.0], 5) == [2.0]
     with pytest.raises(ValueError, match="window must be ≥ 1, got 0"):
         moving_average([1.0], 0)
+
+
+def test_reward_axis_shows_penalties_and_bonuses():
+    assert reward_limits([0.1, 0.9]) == (-0.02, 1.02)
+    assert reward_limits([-0.25, 0.5]) == (-0.27, 1.02)  # a truncation penalty
+    assert reward_limits([0.2, 1.125]) == (-0.02, 1.145)  # a bonus
 
 
 def test_plot_is_a_png_of_the_run(tmp_path):
