@@ -1,6 +1,7 @@
 # One-command set-up: every target creates or refreshes the virtual environment in .venv first.
 #   make demo   the GRPO job on its tiny CPU default: 2 ranks train a tiny Llama at PP2 x VPP2,
-#               each with a colocated inference engine refit every step
+#               each with a colocated inference engine refit every step; writes
+#               .demo/run/metrics.png. --standalone: a free port, so jobs on one host never collide
 #   make test   the test suite (GPU tests are skipped without GPUs)
 #   make lint   ruff
 
@@ -29,7 +30,7 @@ test: venv
 demo: venv
 	$(BIN)/python recipes/make_tiny_model.py $(DEMO_DIR)/tiny-llama --layers 8
 	rm -rf $(DEMO_DIR)/run
-	$(BIN)/torchrun --nproc-per-node 2 recipes/grpo.py \
+	$(BIN)/torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
 	  --config configs/grpo_tiny_cpu_colocated.yaml run.output_dir=$(DEMO_DIR)/run
 
 lint: venv

@@ -7,7 +7,8 @@ relative to itself (```lr` must be positive``); :func:`from_dict`, which knows t
 them as full dotted keys (``policy.optimizer.lr must be positive``). :func:`from_dict` builds a
 section (and its nested sections) from plain data and rejects unknown keys by their dotted path;
 a section's ``RENAMED_KEYS`` turn an old key into an error naming its new one.
-:func:`load_config` reads YAML and applies ``key.sub=value`` overrides. Recipes compose sections
+:func:`load_config` reads YAML and applies ``key.sub=value`` overrides; :func:`save_config` writes
+a config back as YAML (every key resolved). Recipes compose sections
 into their own top-level dataclass and call :func:`load_config`; nothing else parses YAML.
 """
 
@@ -228,6 +229,26 @@ def load_config[T](cls: type[T], path: str | Path | None = None,
     for override in overrides:
         _apply_override(data, override)
     return from_dict(cls, data)
+
+
+def to_dict(config: Any) -> Any:
+    """The plain data (mappings, lists, scalars) :func:`from_dict` builds ``config`` back from."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name))
+                for f in dataclasses.fields(config) if f.init}
+    if isinstance(config, (list, tuple)):
+        return [to_dict(item) for item in config]
+    if isinstance(config, dict):
+        return {key: to_dict(value) for key, value in config.items()}
+    return config
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write ``config`` (every key, defaults included) as YAML that :func:`load_config` reads
+    back into an equal config; the folder is created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
 def _apply_override(data: dict[str, Any], override: str) -> None:

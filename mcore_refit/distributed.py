@@ -44,9 +44,13 @@ class DistributedContext:
 
 
 def init_distributed(*, rank: int, world_size: int, local_rank: int,
-                     timeout_s: float = 600.0, liveness_s: float | None = None
-                     ) -> DistributedContext:
+                     local_world_size: int | None = None, timeout_s: float = 600.0,
+                     liveness_s: float | None = None) -> DistributedContext:
     """Initialise torch.distributed: NCCL with one GPU per local rank, gloo without CUDA.
+
+    ``local_rank`` and ``local_world_size`` (torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``;
+    the latter defaults to ``world_size``, one node) place the rank on this node's GPUs, on every
+    node of a multi-node launch (:func:`colocated_device_index`).
 
     ``timeout_s`` bounds every collective of the default group, so a peer that died surfaces as an
     error on the survivors instead of a hang. The rendezvous address comes from torchrun
@@ -57,7 +61,10 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int,
     compat.install()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
-    device = _device_for(local_rank)
+    device = _cuda_device(lambda num_gpus: colocated_device_index(
+        local_rank=local_rank,
+        local_world_size=local_world_size if local_world_size is not None else world_size,
+        num_gpus=num_gpus))
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
@@ -244,14 +251,17 @@ class SplitJob:
 
 
 def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference_ranks: int,
-                   store_host: str, store_port: int, timeout_s: float = 600.0,
-                   liveness_s: float | None = None) -> SplitJob:
+                   store_host: str, store_port: int, local_world_size: int | None = None,
+                   timeout_s: float = 600.0, liveness_s: float | None = None) -> SplitJob:
     """Initialise a non-colocated job: the last ``num_inference_ranks`` ranks serve inference.
 
-    Every rank connects to the launcher's key-value store (torchrun's ``MASTER_ADDR`` and
-    ``MASTER_PORT``) and builds its role's default group and the cross-role groups it is a
-    member of, from separate key prefixes. Call on every rank of the launch. With
-    ``liveness_s``, ``context.peers`` watches every other rank of the job, of both roles.
+    The job may span nodes: ``local_rank`` and ``local_world_size`` (torchrun's ``LOCAL_RANK``
+    and ``LOCAL_WORLD_SIZE``; the latter defaults to ``world_size``, one node) pick this rank's
+    GPU on its own node (:func:`split_job_device_index`). Every rank connects to the launcher's
+    key-value store (torchrun's ``MASTER_ADDR`` and ``MASTER_PORT``) and builds its role's
+    default group and the cross-role groups it is a member of, from separate key prefixes.
+    Call on every rank of the launch. With ``liveness_s``, ``context.peers`` watches every other
+    rank of the job, of both roles.
     """
     compat.install()
     if dist.is_initialized():
@@ -266,8 +276,10 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
     role = "trainer" if is_trainer else "inference"
     role_rank = rank if is_trainer else rank - num_trainer_ranks
     role_size = num_trainer_ranks if is_trainer else num_inference_ranks
-    device = _device_for(local_rank if is_trainer else _inference_device_index(
-        role_rank, num_trainer_ranks=num_trainer_ranks, num_inference_ranks=num_inference_ranks))
+    device = _cuda_device(lambda num_gpus: split_job_device_index(
+        rank=rank, local_rank=local_rank,
+        local_world_size=local_world_size if local_world_size is not None else world_size,
+        num_trainer_ranks=num_trainer_ranks, num_gpus=num_gpus))
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
         store=dist.PrefixStore(f"{role}/", store), rank=role_rank, world_size=role_size,
@@ -318,23 +330,47 @@ def _placement(store, *, rank: int, device: torch.device, num_trainer_ranks: int
                      shared=shared)
 
 
-def _inference_device_index(inference_rank: int, *, num_trainer_ranks: int,
-                            num_inference_ranks: int) -> int:
-    """The GPU of an inference rank: the next free one, or a trainer rank's (never rank 0's).
+def colocated_device_index(*, local_rank: int, local_world_size: int, num_gpus: int) -> int:
+    """The GPU of a colocated rank on its node: one GPU per local rank (its engine shares it)."""
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local rank {local_rank} is outside this node's {local_world_size} ranks")
+    if local_world_size > num_gpus:
+        raise ValueError(f"{local_world_size} ranks on this node but it has {num_gpus} GPUs: a "
+                         "colocated job runs one trainer rank (and its engine) per GPU")
+    return local_rank
 
-    With one GPU per rank, inference rank ``i`` takes GPU ``num_trainer_ranks + i``. With fewer
-    GPUs the inference ranks share the last GPUs with trainer ranks; the refit still crosses
-    devices, since its source, trainer rank 0, keeps GPU 0 to itself.
+
+def split_job_device_index(*, rank: int, local_rank: int, local_world_size: int,
+                           num_trainer_ranks: int, num_gpus: int) -> int:
+    """The GPU of job rank ``rank`` of a split job on its node (pure index maths).
+
+    torchrun numbers each node's ranks contiguously: this node holds job ranks ``rank −
+    local_rank`` onwards, ``local_world_size`` of them, trainer ranks (below
+    ``num_trainer_ranks``) before inference ranks. With a GPU per local rank, each rank takes
+    GPU ``local_rank``, on every node. With fewer GPUs than local ranks, the node's trainer ranks
+    take GPUs ``0, 1, ...`` and its inference ranks share the last GPUs with trainer ranks, never
+    the GPU of the node's first trainer rank (trainer rank 0 on the first node), so the refit
+    still crosses devices.
     """
-    if not torch.cuda.is_available():
-        return num_trainer_ranks + inference_rank
-    num_gpus = torch.cuda.device_count()
-    if num_gpus >= num_trainer_ranks + num_inference_ranks:
-        return num_trainer_ranks + inference_rank
-    if num_gpus - num_inference_ranks < 1:
-        raise ValueError(f"{num_inference_ranks} inference ranks need GPUs other than trainer rank "
-                         f"0's, but this node has {num_gpus}")
-    return num_gpus - num_inference_ranks + inference_rank
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local rank {local_rank} is outside this node's {local_world_size} ranks")
+    if local_world_size <= num_gpus:
+        return local_rank
+    first = rank - local_rank
+    num_local_trainers = max(0, min(num_trainer_ranks - first, local_world_size))
+    num_local_inference = local_world_size - num_local_trainers
+    if num_local_trainers > num_gpus:
+        raise ValueError(f"{num_local_trainers} trainer ranks on this node but it has {num_gpus} "
+                         "GPUs: launch at most one trainer rank per GPU")
+    if num_local_trainers and num_local_inference > num_gpus - 1:
+        raise ValueError(f"{num_local_inference} inference ranks on this node need GPUs other "
+                         f"than its first trainer rank's, but this node has {num_gpus}")
+    if num_local_inference > num_gpus:
+        raise ValueError(f"{num_local_inference} inference ranks on this node but it has "
+                         f"{num_gpus} GPUs: launch at most one inference rank per GPU")
+    if local_rank < num_local_trainers:
+        return local_rank
+    return num_gpus - num_local_inference + (local_rank - num_local_trainers)
 
 
 def _control_group(device: torch.device, timeout: datetime.timedelta) -> dist.ProcessGroup:
@@ -344,14 +380,11 @@ def _control_group(device: torch.device, timeout: datetime.timedelta) -> dist.Pr
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _device_for(local_rank: int) -> torch.device:
+def _cuda_device(index_for) -> torch.device:
+    """The CPU without CUDA, else GPU ``index_for(number of GPUs on this node)``, made current."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise ValueError(
-            f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}"
-        )
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", index_for(torch.cuda.device_count()))
     torch.cuda.set_device(device)
     return device
 

@@ -1,6 +1,10 @@
 """GRPO with the refit engine in the loop, colocated or non-colocated.
 
-    torchrun --nproc-per-node N recipes/grpo.py --config configs/X.yaml [key=value ...] [--resume]
+    torchrun --standalone --nproc-per-node N recipes/grpo.py --config configs/X.yaml \
+        [key=value ...] [--resume]
+
+--standalone lets torchrun pick a free port, so several jobs share a host; a multi-node launch
+runs one agent per node with --nnodes, --node-rank and a common --master-addr/--master-port.
 
 Colocated (refit.mode: colocated): every rank trains and spawns an inference engine on its own
 device. Non-colocated: the last inference.num_ranks ranks serve inference on their own devices.
@@ -33,17 +37,18 @@ def main(argv: list[str]) -> int:
     config = load_config(GRPOJobConfig, args.config, args.overrides)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     configure_logging(rank=rank, log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
-    local_rank = int(os.environ["LOCAL_RANK"])
+    # Each node's own ranks: they pick the GPUs of their node (multi-node launches too).
+    local = dict(local_rank=int(os.environ["LOCAL_RANK"]),
+                 local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
     # torchrun stops every rank with SIGTERM once one failed: unwind (engines stopped, IPC files
     # removed) and name the dead rank, rather than vanish.
     with stop_on_sigterm():
         if config.refit.mode == "colocated":
-            summary = job.run_colocated(config, rank=rank, world_size=world_size,
-                                        local_rank=local_rank, job_id=_job_id(),
-                                        resume=args.resume)
+            summary = job.run_colocated(config, rank=rank, world_size=world_size, **local,
+                                        job_id=_job_id(), resume=args.resume)
         else:
-            summary = job.run_non_colocated(config, rank=rank, world_size=world_size,
-                                            local_rank=local_rank, resume=args.resume,
+            summary = job.run_non_colocated(config, rank=rank, world_size=world_size, **local,
+                                            resume=args.resume,
                                             store_host=os.environ["MASTER_ADDR"],
                                             store_port=int(os.environ["MASTER_PORT"]))
     if rank == 0:
@@ -54,8 +59,8 @@ def main(argv: list[str]) -> int:
 def _job_id() -> str:
     """Unique among the jobs running on this host (names the CPU engines' sockets).
 
-    A plain ``torchrun`` leaves TORCHELASTIC_RUN_ID at "none"; the rendezvous port tells
-    concurrent jobs apart.
+    ``--standalone`` gives each launch its own run id; a plain ``torchrun`` leaves
+    TORCHELASTIC_RUN_ID at "none", and then the rendezvous port tells concurrent jobs apart.
     """
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'grpo')}-{os.environ['MASTER_PORT']}"
 

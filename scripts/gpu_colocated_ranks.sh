@@ -17,7 +17,7 @@ python3 recipes/make_tiny_model.py /tmp/tiny-llama --layers 8 > /dev/null || exi
 python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \
   --kv-heads 4 > /dev/null || exit 1
 
-step grpo_colocated_2_ranks 150 torchrun --nproc-per-node 2 --master-port 29841 recipes/grpo.py \
+step grpo_colocated_2_ranks 150 torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
   --config configs/grpo_tiny_cpu_colocated.yaml model.hf_path=/tmp/tiny-llama run.steps=30 \
   run.output_dir=runs/colocated_2_ranks
 summarize grpo_colocated_2_ranks
@@ -29,7 +29,7 @@ grep -E "passed|failed|skipped|Error" /tmp/fault_tests.out | tail -n 20 > "$D/fa
 step refit_gpu_tests 120 python3 -m pytest tests/gpu/test_refit_gpu.py -q -p no:cacheprovider
 grep -E "passed|failed|skipped" /tmp/refit_gpu_tests.out | tail -n 3 >> "$D/fault_tests.txt"
 
-step grpo_colocated_1_rank 150 torchrun --nproc-per-node 1 --master-port 29842 recipes/grpo.py \
+step grpo_colocated_1_rank 150 torchrun --standalone --nproc-per-node 1 recipes/grpo.py \
   --config configs/grpo_gpu_colocated.yaml run.steps=20 run.output_dir=runs/colocated_1_rank
 summarize grpo_colocated_1_rank
 cat "$D/rc.txt" "$D/summaries.jsonl" "$D/fault_tests.txt"; echo "total ${SECONDS}s"

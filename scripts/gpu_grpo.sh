@@ -16,10 +16,10 @@ MODEL=/tmp/llama-0.5b
 
 source "$(dirname "$0")/steps.sh"
 
-grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env PORT, RUN_DIR (default NAME)
+grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env RUN_DIR (default NAME)
   local name=$1 limit=$2 nproc=$3 config=$4 lr=$5; shift 5
   local dir=${RUN_DIR:-$name}
-  step "$name" "$limit" torchrun --nproc-per-node "$nproc" --master-port "${PORT:-29901}" \
+  step "$name" "$limit" torchrun --standalone --nproc-per-node "$nproc" \
     recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$dir" \
     policy.optimizer.lr="$lr" policy.optimizer.lr_warmup_steps="$WARMUP" "$@"
   summarize "$name"
@@ -42,8 +42,8 @@ python3 recipes/make_tiny_model.py "$MODEL" \
   ${MODEL_ARGS:---layers 24 --hidden-size 1536 --heads 12 --kv-heads 4} > /dev/null || exit 1
 
 C=configs/grpo_gpu_colocated.yaml
-PORT=29911 CUDA_VISIBLE_DEVICES=0 grpo colocated_lr_a 260 1 "$C" "$LR_A" &
-PORT=29912 CUDA_VISIBLE_DEVICES=1 grpo colocated_lr_b 260 1 "$C" "$LR_B" &
+CUDA_VISIBLE_DEVICES=0 grpo colocated_lr_a 260 1 "$C" "$LR_A" &
+CUDA_VISIBLE_DEVICES=1 grpo colocated_lr_b 260 1 "$C" "$LR_B" &
 wait
 A=$(tail_reward "$D/colocated_lr_a_metrics.jsonl")
 B=$(tail_reward "$D/colocated_lr_b_metrics.jsonl")
@@ -51,6 +51,6 @@ LR=$(python3 -c "print('$LR_A' if $A >= $B else '$LR_B')")
 echo "last-20 mean reward: lr $LR_A -> $A, lr $LR_B -> $B; non-colocated at lr $LR" >> "$D/rc.txt"
 
 grpo non_colocated 240 3 configs/grpo_gpu_non_colocated_pp2_vpp2.yaml "$LR"
-PORT=29913 STEPS=$((STEPS + 10)) RUN_DIR=non_colocated grpo non_colocated_resumed 90 3 \
+STEPS=$((STEPS + 10)) RUN_DIR=non_colocated grpo non_colocated_resumed 90 3 \
   configs/grpo_gpu_non_colocated_pp2_vpp2.yaml "$LR" --resume
 cat "$D/rc.txt"; cut -c1-400 "$D/summaries.jsonl"; echo "total ${SECONDS}s"

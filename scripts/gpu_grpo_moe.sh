@@ -16,7 +16,7 @@ source "$(dirname "$0")/steps.sh"
 python3 recipes/make_tiny_model.py "$MODEL" --arch qwen3_moe \
   ${MODEL_ARGS:---layers 24 --hidden-size 1024 --heads 16 --kv-heads 4 --experts 32 --experts-per-token 4} \
   > /dev/null || exit 1
-step moe 540 torchrun --nproc-per-node 2 --master-port 29921 recipes/grpo.py \
+step moe 540 torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
   --config configs/grpo_gpu_colocated_moe.yaml run.steps="$STEPS" run.output_dir=runs/grpo_moe
 summarize moe
 cp runs/grpo_moe/metrics.jsonl "$D/moe_metrics.jsonl" 2> /dev/null

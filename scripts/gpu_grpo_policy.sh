@@ -12,7 +12,7 @@ run() {  # run NAME LIMIT COMMAND...: stdout/stderr to files, exit code to rc.tx
   { echo "== $name"; tail -n 3 "/tmp/$name.out"; grep -E "Error|error:" "/tmp/$name.err" \
       | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 5; } >> "$D/summaries.txt"
 }
-CUDA_VISIBLE_DEVICES=0 run grpo_colocated 170 torchrun --nproc-per-node 1 --master-port 29801 \
+CUDA_VISIBLE_DEVICES=0 run grpo_colocated 170 torchrun --standalone --nproc-per-node 1 \
   recipes/grpo.py --config configs/grpo_gpu_colocated.yaml run.steps=40 &
 CUDA_VISIBLE_DEVICES=1 run bench_moe_colocated 170 torchrun --nproc-per-node 1 \
   --master-port 29802 recipes/refit_bench.py --config configs/refit_bench.yaml \
@@ -21,7 +21,7 @@ CUDA_VISIBLE_DEVICES=1 run bench_moe_colocated 170 torchrun --nproc-per-node 1 \
 wait
 run policy_gpu 170 python3 -m pytest tests/gpu/test_policy_gpu.py -s -q -p no:cacheprovider
 cp /tmp/policy_gpu.out "$D/policy_gpu.txt"
-run grpo_non_colocated 170 torchrun --nproc-per-node 3 --master-port 29803 recipes/grpo.py \
+run grpo_non_colocated 170 torchrun --standalone --nproc-per-node 3 recipes/grpo.py \
   --config configs/grpo_gpu_non_colocated_pp2_vpp2.yaml run.steps=40
 cp runs/grpo_gpu_colocated/metrics.jsonl "$D/grpo_colocated_metrics.jsonl" 2> /dev/null
 cp runs/grpo_gpu_non_colocated/metrics.jsonl "$D/grpo_non_colocated_metrics.jsonl" 2> /dev/null

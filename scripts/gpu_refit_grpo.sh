@@ -11,9 +11,9 @@ STEPS=${STEPS:-150} LR=${LR:-0.00003} BUDGET_S=${BUDGET_S:-585}
 MODEL=/tmp/llama-0.5b
 source "$(dirname "$0")/steps.sh"
 
-grpo() {  # grpo NAME LIMIT NPROC CONFIG [extra overrides]; env PORT
+grpo() {  # grpo NAME LIMIT NPROC CONFIG [extra overrides]
   local name=$1 limit=$2 nproc=$3 config=$4; shift 4
-  step "$name" "$limit" torchrun --nproc-per-node "$nproc" --master-port "${PORT:-29901}" \
+  step "$name" "$limit" torchrun --standalone --nproc-per-node "$nproc" \
     recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$name" \
     policy.optimizer.lr="$LR" "$@"
   summarize "$name"
@@ -22,10 +22,10 @@ grpo() {  # grpo NAME LIMIT NPROC CONFIG [extra overrides]; env PORT
 
 python3 recipes/make_tiny_model.py "$MODEL" \
   ${MODEL_ARGS:---layers 24 --hidden-size 1536 --heads 12 --kv-heads 4} > /dev/null || exit 1
-PORT=29921 CUDA_VISIBLE_DEVICES=0 grpo colocated 280 1 configs/grpo_gpu_colocated.yaml &
+CUDA_VISIBLE_DEVICES=0 grpo colocated 280 1 configs/grpo_gpu_colocated.yaml &
 CUDA_VISIBLE_DEVICES=1 PLACEMENT=colocated BUDGET_S=270 bash scripts/gpu_refit.sh > /dev/null &
 wait
-PORT=29922 grpo non_colocated 200 3 configs/grpo_gpu_non_colocated_pp2_vpp2.yaml
+grpo non_colocated 200 3 configs/grpo_gpu_non_colocated_pp2_vpp2.yaml
 # ${EXTRA}: rows of scripts/gpu_refit_layouts.sh (RUNS) before the non-colocated refit rows.
 [ -z "${EXTRA:-}" ] || RUNS="$EXTRA" BUDGET_S=$((BUDGET_S - SECONDS)) \
   bash scripts/gpu_refit_layouts.sh > /dev/null

@@ -10,7 +10,7 @@ BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/steps.sh"
 python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \
   --kv-heads 4 > /dev/null || exit 1
-step grpo_colocated 330 torchrun --nproc-per-node 1 --master-port 29821 recipes/grpo.py \
+step grpo_colocated 330 torchrun --standalone --nproc-per-node 1 recipes/grpo.py \
   --config configs/grpo_gpu_colocated.yaml
 summarize grpo_colocated
 cp runs/grpo_gpu_colocated/metrics.jsonl "$D/grpo_colocated_metrics.jsonl" 2> /dev/null

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -21,29 +24,89 @@ def free_port() -> int:
 
 def run_torchrun(script: str | Path, *args: str, nproc: int, timeout_s: float,
                  env: dict[str, str] | None = None,
+                 standalone: bool = False,
                  expect_failure: bool = False) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun with ``nproc`` ranks; raise with its output on failure
-    (with ``expect_failure``, when it succeeds instead)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(script), *args,
-    ]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    (with ``expect_failure``, when it succeeds instead).
+
+    The rendezvous is on a free port, or, with ``standalone``, torchrun's own ``--standalone``
+    (it picks a free port and a unique run id itself, as ``make demo`` does).
+    """
+    rendezvous = (["--standalone"] if standalone
+                  else ["--master-addr=127.0.0.1", f"--master-port={free_port()}"])
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               *rendezvous, str(script), *args]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    return _finish(process, command, timeout_s, expect_failure=expect_failure)
+
+
+def run_torchrun_nodes(script: str | Path, *args: str, num_nodes: int, nproc_per_node: int,
+                       timeout_s: float,
+                       env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``script`` as a multi-node job on this host: one torchrun agent per node
+    (``--nnodes``, ``--node-rank``), all meeting at one rendezvous endpoint on a free port.
+    Returns each node's result (node 0's stdout holds global rank 0's)."""
+    port = free_port()
+    commands = [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}",
+                 f"--node-rank={node}", f"--nproc-per-node={nproc_per_node}",
+                 "--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args]
+                for node in range(num_nodes)]
+    deadline = time.monotonic() + timeout_s
+    with contextlib.ExitStack() as stack:
+        # Files, not pipes: an agent must never block on output nobody reads yet.
+        outputs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
+                    stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in commands]
+        processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=_env(env), stdout=out,
+                                      stderr=err, text=True)
+                     for command, (out, err) in zip(commands, outputs, strict=True)]
+        try:
+            for process in processes:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        results = []
+        for command, process, (out, err) in zip(commands, processes, outputs, strict=True):
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(command, process.returncode, out.read(),
+                                                       err.read()))
+    for result in results:
+        if result.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(result.args)} exited with {result.returncode} (killed after "
+                f"{timeout_s}s if negative)\n--- stdout ---\n{result.stdout[-10000:]}\n"
+                f"--- stderr ---\n{result.stderr[-10000:]}")
+    return results
+
+
+def _env(env: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def _finish(process: subprocess.Popen, command: list[str], timeout_s: float, *,
+            expect_failure: bool = False) -> subprocess.CompletedProcess:
+    """Wait for ``process``; raise with its output if it outlives ``timeout_s``, or if it fails
+    (with ``expect_failure``, if it succeeds instead)."""
     try:
-        result = subprocess.run(command, cwd=REPO_ROOT, env=full_env, capture_output=True,
-                                text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as error:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
         raise AssertionError(
             f"{' '.join(command)} did not finish within {timeout_s}s\n"
-            f"--- stdout ---\n{error.stdout}\n--- stderr ---\n{error.stderr}"
-        ) from error
-    if (result.returncode != 0) != expect_failure:
+            f"--- stdout ---\n{stdout[-10000:]}\n--- stderr ---\n{stderr[-10000:]}"
+        ) from None
+    if (process.returncode != 0) != expect_failure:
         raise AssertionError(
-            f"{' '.join(command)} exited with {result.returncode}\n"
-            f"--- stdout ---\n{result.stdout[-10000:]}\n--- stderr ---\n{result.stderr[-10000:]}"
+            f"{' '.join(command)} exited with {process.returncode}\n"
+            f"--- stdout ---\n{stdout[-10000:]}\n--- stderr ---\n{stderr[-10000:]}"
         )
-    return result
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def last_json_line(stdout: str) -> dict:

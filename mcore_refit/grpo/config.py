@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -123,6 +124,25 @@ class InferenceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Optional Weights & Biases tracking (the ``wandb`` extra: ``pip install '.[wandb]'``)."""
+
+    # Off while null; else the wandb project the run logs to.
+    project: str | None = None
+    mode: Literal["offline", "online"] = "offline"
+    # The run's name in wandb; null lets wandb pick one.
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.project is not None:
+            if not self.project:
+                raise ConfigError("`project` must be a wandb project name or null")
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("`project` is set but wandb is not installed: "
+                                  "pip install 'mcore_refit[wandb]' (or set it to null)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Steps, seeds, outputs."""
 
@@ -133,15 +153,26 @@ class RunConfig:
     checkpoint_every: int = 0
     # Compare the engine's weights with the trainer's export after every refit (slow; tests).
     verify_refit: bool = False
+    # Metrics go to output_dir/metrics.jsonl, and to these:
     tensorboard: bool = True
     # Score the `eval` set every this many steps (and after the last); 0: after the last only.
     eval_every: int = 0
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # A summary line on the terminal every this many steps (0: none; the bar stays).
+    log_every: int = 10
+    # Write output_dir/metrics.png (reward, refit time, mult_err per step) when the run ends.
+    plot: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"`steps` must be ≥ 1, got {self.steps}")
         if self.eval_every < 0:
             raise ConfigError(f"`eval_every` must be ≥ 0, got {self.eval_every}")
+        if self.log_every < 0:
+            raise ConfigError(f"`log_every` must be ≥ 0, got {self.log_every}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("`tensorboard` is true but the tensorboard package (pinned in "
+                              "requirements.txt) is not installed; install it or set it to false")
         if self.checkpoint_every < 0:
             raise ConfigError(f"`checkpoint_every` must be ≥ 0, got {self.checkpoint_every}")
 

@@ -14,6 +14,7 @@ from mcore_refit import distributed
 from mcore_refit.control import ControlGroup, raise_dead_peer_first
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.loop import run_grpo
+from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.policy.worker import Policy, build_policy
@@ -22,10 +23,11 @@ from mcore_refit.refit.export import ModelExport
 
 
 def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
-                  job_id: str, resume: bool) -> dict:
+                  local_world_size: int, job_id: str, resume: bool) -> dict:
     """Every rank trains and refits an engine process on its own device."""
     context = distributed.init_distributed(rank=rank, world_size=world_size,
                                            local_rank=local_rank,
+                                           local_world_size=local_world_size,
                                            timeout_s=config.collective_timeout_s,
                                            liveness_s=config.refit.transport.liveness_s)
     failed = True
@@ -46,9 +48,11 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
 
 
 def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
-                      resume: bool, store_host: str, store_port: int) -> dict | None:
+                      local_world_size: int, resume: bool, store_host: str,
+                      store_port: int) -> dict | None:
     """The last ``inference.num_ranks`` ranks serve inference; the others train and refit them."""
     job = distributed.init_split_job(rank=rank, world_size=world_size, local_rank=local_rank,
+                                     local_world_size=local_world_size,
                                      num_inference_ranks=config.inference.num_ranks,
                                      store_host=store_host, store_port=store_port,
                                      timeout_s=config.collective_timeout_s,
@@ -98,7 +102,7 @@ def weight_source(policy: Policy, control_group: dist.ProcessGroup, config: GRPO
     return policy.weight_source(control=control, prefer=prefer)
 
 
-def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts, pad_token_id: int,
+def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, pad_token_id: int,
                     device: torch.device, resume: bool) -> dict:
     """:func:`train`, then close ``rollouts`` (after a failure, without waiting on peers)."""
     try:
@@ -110,7 +114,7 @@ def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts, pad_token_i
     return summary
 
 
-def train(config: GRPOJobConfig, policy: Policy, rollouts, pad_token_id: int,
+def train(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, pad_token_id: int,
           device: torch.device, resume: bool) -> dict:
     return run_grpo(config, policy=policy, rollouts=rollouts, pad_token_id=pad_token_id,
                     device=device, is_logging_rank=dist.get_rank() == 0, resume=resume)

@@ -1,9 +1,12 @@
 """The GRPO loop on the trainer ranks: generate → score → train → refit, every step.
 
-    rollouts = ColocatedRollouts(...) or DedicatedRollouts(...)
+    rollouts = ColocatedRollouts(...)   # or any other Rollouts (mcore_refit.grpo.protocol)
     summary = run_grpo(config, policy=policy, rollouts=rollouts, ...)
 
-Every function here is a collective over the trainer ranks (call on every one, same order).
+Every function here is a collective over the trainer ranks (call on every one, same order). The
+logging rank writes the metrics (:mod:`~mcore_refit.grpo.metrics`), the terminal's bar and
+summary lines (:mod:`~mcore_refit.grpo.console`) and, at the end, ``metrics.png``
+(:mod:`~mcore_refit.grpo.plot`).
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from mcore_refit.grpo.batch import build_rollout_batch, with_fields
 from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.grpo.console import Console
 from mcore_refit.grpo.evaluation import Evaluator
 from mcore_refit.grpo.loss import GRPOLoss, group_advantages, logprob_mult_err
+from mcore_refit.grpo.metrics import METRICS_FILE, MetricsWriter, read_metrics, refit_metrics
+from mcore_refit.grpo.plot import PLOT_FILE, plot_metrics
+from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
 from mcore_refit.grpo.tasks import build_task
 from mcore_refit.policy.worker import Policy
@@ -42,12 +48,12 @@ class RunHistory:
     eval_rewards: list[float] = field(default_factory=list)
 
 
-def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: int,
+def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_token_id: int,
              device: torch.device, is_logging_rank: bool, resume: bool) -> dict:
     """Train ``config.run.steps`` GRPO steps; returns the summary (same on every trainer rank).
 
-    ``rollouts`` is a :class:`~mcore_refit.grpo.rollouts.ColocatedRollouts` or
-    :class:`~mcore_refit.grpo.rollouts.DedicatedRollouts`.
+    ``rollouts`` is where completions come from and new weights go: the loop uses nothing of it
+    but the :class:`~mcore_refit.grpo.protocol.Rollouts` calls.
     """
     output_dir = Path(config.run.output_dir)
     start_step = _resume(policy, output_dir) if resume else 0
@@ -57,17 +63,17 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
                        kl_coef=config.grpo.kl_coef)
     reward_fn = resolve_reward(config.task.reward)
     evaluator = Evaluator(config) if config.eval is not None else None
-    logger_ = MetricsLogger(output_dir, enabled=is_logging_rank,
-                            tensorboard=config.run.tensorboard)
+    metrics_writer = MetricsWriter(config, enabled=is_logging_rank)
     history = RunHistory()
 
     first_refit = rollouts.refit(weight_version=start_step, verify=config.run.verify_refit)
-    history.refit_s.append(first_refit.get("total_s", 0.0))
+    history.refit_s.append(first_refit.total_s)
     # Colocated: the trainer's state waits on the host while the engine generates; it comes
     # back for training and stays until the refit has read the new weights.
     if config.inference.offload_trainer:
         policy.offload()
-    progress = ProgressBar(config.run.steps, start_step, enabled=is_logging_rank)
+    console = Console(total=config.run.steps, initial=start_step,
+                      log_every=config.run.log_every, enabled=is_logging_rank)
     for step in range(start_step, config.run.steps):
         started = time.perf_counter()
         problems = task.sample(config.grpo.prompts_per_step)
@@ -125,18 +131,22 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts, pad_token_id: i
             **{f"loss/{k}": v for k, v in metrics.metrics.items()},
             "generate_s": generate_s,
             "train_s": train_s,
-            "refit_s": refit.get("total_s", 0.0),
-            "refit_gbps": refit.get("gbps", 0.0),
+            **refit_metrics(refit),
             "step_s": time.perf_counter() - started,
             **eval_metrics,
         }
         history.rewards.append(record["reward_mean"])
         history.refit_s.append(record["refit_s"])
         history.logprob_mult_err.append(mult_err)
-        logger_.log(record)
-        progress.update(record)
-    progress.close()
-    logger_.close()
+        metrics_writer.log(record)
+        console.update(record)
+    console.close()
+    metrics_writer.close()
+    if is_logging_rank and config.run.plot:
+        plot = plot_metrics(read_metrics(output_dir), output_dir / PLOT_FILE,
+                            title=f"GRPO, refit.mode={config.refit.mode}, "
+                                  f"model {Path(config.model.hf_path).name}")
+        console.write(f"metrics: {output_dir / METRICS_FILE}, plot: {plot}")
     evaluated = {"eval_reward_last": history.eval_rewards[-1]} if history.eval_rewards else {}
     return {
         "steps": config.run.steps - start_step,
@@ -171,60 +181,3 @@ def _resume(policy: Policy, output_dir: Path) -> int:
     state = json.loads(state_file.read_text())
     policy.load_checkpoint(state["checkpoint"])
     return int(state["step"])
-
-
-class MetricsLogger:
-    """Metrics to ``metrics.jsonl`` (and TensorBoard when installed), on one rank."""
-
-    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool) -> None:
-        self._enabled = enabled
-        self._file = None
-        self._writer = None
-        if not enabled:
-            return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (output_dir / "metrics.jsonl").open("a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                logger.info("tensorboard is not installed; metrics go to metrics.jsonl only")
-            else:
-                self._writer = SummaryWriter(str(output_dir / "tensorboard"))
-
-    def log(self, record: dict) -> None:
-        if not self._enabled:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._writer.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._writer is not None:
-            self._writer.close()
-
-
-class ProgressBar:
-    """A one-line-per-step progress bar on the logging rank (tqdm)."""
-
-    def __init__(self, total: int, initial: int, *, enabled: bool) -> None:
-        self._bar = None
-        if enabled:
-            self._bar = tqdm(total=total, initial=initial, desc="grpo", unit="step",
-                             dynamic_ncols=True)
-
-    def update(self, record: dict) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
-                                  mult_err=f"{record['logprob_mult_err']:.4f}",
-                                  refit_s=f"{record['refit_s']:.3f}")
-            self._bar.update(1)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()

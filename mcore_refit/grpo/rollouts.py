@@ -1,9 +1,9 @@
 """Rollout generation and refits for the GRPO loop, colocated or on dedicated inference ranks.
 
-Both backends offer the trainer the same three calls — :meth:`generate`, :meth:`release` (before
-training) and :meth:`refit` (after the optimizer step) — and both are collectives over the
-trainer ranks: every trainer rank calls them in the same order and gets the same completions, or
-the same error naming the rank where it started.
+Both backends implement :class:`~mcore_refit.grpo.protocol.Rollouts` — :meth:`generate`,
+:meth:`release` (before training), :meth:`refit` (after the optimizer step) and :meth:`close` —
+and both are collectives over the trainer ranks: every trainer rank calls them in the same order
+and gets the same completions, or the same error naming the rank where it started.
 
 - :class:`ColocatedRollouts`: every trainer rank spawns an engine process on its own device and
   refits it over ZMQ + CUDA IPC (shared memory on CPU); prompts are split over trainer ranks;
@@ -56,6 +56,7 @@ from mcore_refit.refit import (
 )
 from mcore_refit.refit.plan import RefitPlan
 from mcore_refit.refit.source import RefitSource
+from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transport import RefitError
 
 
@@ -135,7 +136,7 @@ class ColocatedRollouts:
                                           who="trainer rank")
             self._released = True
 
-    def refit(self, *, weight_version: int, verify: bool) -> dict:
+    def refit(self, *, weight_version: int, verify: bool) -> RefitTelemetry:
         """Push the trainer's current weights into every rank's engine.
 
         Every rank takes part in the whole refit (its export and the buffers it passes on), also
@@ -144,10 +145,11 @@ class ColocatedRollouts:
         ``inference.timeout_s``.
         """
         engine_problem = Outcome.of(self._prepare_engine, weight_version)
-        telemetry = Outcome.of(lambda: self.refitter.refit(verify=verify).as_dict())
+        telemetry = Outcome.of(self.refitter.refit, verify=verify)
         reply = Outcome.of(self.engine.wait, "update_weights") if engine_problem.ok else None
+        # Only failures travel; the telemetry stays on its rank.
         outcome = next((o for o in (engine_problem, telemetry, reply)
-                        if o is not None and not o.ok), telemetry)
+                        if o is not None and not o.ok), Outcome(ok=True))
         self._trainers.share_outcomes(outcome, what="refit", who="trainer rank")
         return telemetry.value
 
@@ -219,7 +221,7 @@ class DedicatedRollouts:
     def release(self) -> None:
         """Nothing to release: the engines have devices of their own."""
 
-    def refit(self, *, weight_version: int, verify: bool) -> dict:
+    def refit(self, *, weight_version: int, verify: bool) -> RefitTelemetry:
         """Every trainer rank sends the buffers it exports; a failure on any rank of the job is
         raised on every trainer rank.
 
@@ -230,7 +232,7 @@ class DedicatedRollouts:
         if self._lead:
             self._command({"op": "update", "weight_version": weight_version})
         try:
-            telemetry = self.refitter.refit(verify=verify).as_dict()
+            telemetry = self.refitter.refit(verify=verify)
         except RefitError:
             # Every rank of the job raises this same error (the refit's outcome exchange). The
             # inference ranks reply all the same: collecting the replies keeps the command group

@@ -61,7 +61,7 @@ def test_non_colocated_run_refits_by_broadcast(checkpoint, tmp_path):
     out = tmp_path / "run"
     result = run_torchrun(RECIPE, "--config", str(NON_COLOCATED), f"model.hf_path={checkpoint}",
                           f"run.output_dir={out}", "run.steps=20", "run.verify_refit=true",
-                          nproc=3, timeout_s=540)
+                          nproc=3, timeout_s=540, standalone=True)
     summary = last_json_line(result.stdout)
     assert summary["steps"] == 20 and summary["mode"] == "non_colocated"
     assert 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
@@ -141,16 +141,20 @@ def test_resume_continues_from_the_last_checkpoint(checkpoint, tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs each trainer owns its device")
 def test_two_colocated_jobs_share_a_host(checkpoint, tmp_path):
-    # Plain torchrun names every job "none"; the engines' sockets must still not collide.
-    def launch(name):
+    # As the README launches them: --standalone, each job on a port torchrun picks (the default
+    # port 29500 would be taken by the first). With a plain torchrun on two free ports, every
+    # job is named "none" and the engines' sockets must still not collide.
+    def launch(name, standalone):
         return run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
                             f"run.output_dir={tmp_path / name}", "run.steps=1",
                             "parallel.pipeline=1", "parallel.virtual_pipeline=null",
-                            nproc=1, timeout_s=300)
+                            nproc=1, timeout_s=300, standalone=standalone)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(launch, ["first", "second"]))
-    assert [last_json_line(result.stdout)["steps"] for result in results] == [1, 1]
+    for standalone in (True, False):
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = list(pool.map(launch, [f"first{standalone}", f"second{standalone}"],
+                                    [standalone] * 2))
+        assert [last_json_line(result.stdout)["steps"] for result in results] == [1, 1]
 
 
 USER_REWARD = """

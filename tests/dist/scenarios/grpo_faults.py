@@ -32,6 +32,7 @@ from mcore_refit.config import load_config
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.job import build_trainer, train, weight_source
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
+from mcore_refit.refit.telemetry import RefitTelemetry
 
 # Short enough that a rank left waiting in a collective fails the test quickly, long enough for
 # a refit of the tiny model on a loaded CPU.
@@ -76,7 +77,7 @@ class EngineKillingRollouts(ColocatedRollouts):
         super().__init__(**kwargs)
         self._kill = (self._context.rank == victim_rank, weight_version)
 
-    def refit(self, *, weight_version: int, verify: bool) -> dict:
+    def refit(self, *, weight_version: int, verify: bool) -> RefitTelemetry:
         if self._kill == (True, weight_version):
             os.kill(self.engine.pid, signal.SIGKILL)
             time.sleep(1.0)  # let the kill land before the trainer talks to the engine
@@ -108,7 +109,7 @@ class MisnamingRollouts(DedicatedRollouts):
 
         super().__init__(source=_Transformed(source, rename), **kwargs)
 
-    def refit(self, *, weight_version: int, verify: bool) -> dict:
+    def refit(self, *, weight_version: int, verify: bool) -> RefitTelemetry:
         self._armed = self._lead and weight_version == self._weight_version
         return super().refit(weight_version=weight_version, verify=verify)
 
