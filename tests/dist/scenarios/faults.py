@@ -145,20 +145,21 @@ def main() -> int:
     args = parser.parse_args()
     config = load_config(GRPOJobConfig, args.config, args.overrides)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local = dict(local_rank=int(os.environ["LOCAL_RANK"]),
+                 local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
     try:
         with stop_on_sigterm():
             if config.refit.mode == "colocated":
                 job.ColocatedRollouts = faulty_colocated(args.fault, args.out)
-                job.run_colocated(config, rank=rank, world_size=world_size,
-                                  local_rank=local_rank, job_id=args.job_id or f"faults-{os.environ['MASTER_PORT']}",
+                job.run_colocated(config, rank=rank, world_size=world_size, **local,
+                                  job_id=args.job_id or f"faults-{os.environ['MASTER_PORT']}",
                                   resume=False)
             else:
                 job.DedicatedRollouts = faulty_dedicated(args.fault, args.out)
                 if args.fault == "inference_broadcast":
                     arm_inference_rank(args.out)
-                job.run_non_colocated(config, rank=rank, world_size=world_size,
-                                      local_rank=local_rank, resume=False,
+                job.run_non_colocated(config, rank=rank, world_size=world_size, **local,
+                                      resume=False,
                                       store_host=os.environ["MASTER_ADDR"],
                                       store_port=int(os.environ["MASTER_PORT"]))
     except BaseException as error:  # Terminated included: report it like any failure
