@@ -158,12 +158,27 @@ class ModelConfig:
     # moe_aux_loss_coeff). 0 trains exactly the HF model's objective, which the export verifier's
     # gradient parity needs; the bridges' default (1e-3) gave huge grad norms on tiny models.
     moe_aux_loss_coeff: float = 0.0
+    # True lets an `hf_path` that is not a local directory be downloaded from the Hugging Face
+    # Hub (a typo would otherwise train another model than meant, or stall without a network).
+    allow_hub: bool = False
 
     def __post_init__(self) -> None:
         if not self.hf_path:
             raise ConfigError("`hf_path` must name a Hugging Face checkpoint directory")
         if not self.moe_aux_loss_coeff >= 0:
             raise ConfigError(f"`moe_aux_loss_coeff` must be ≥ 0, got {self.moe_aux_loss_coeff}")
+
+    def check_local(self) -> None:
+        """Refuse an ``hf_path`` that is not a local directory unless ``allow_hub`` is set.
+
+        Not part of validation (a config may name a path of another machine); jobs call it
+        before they build anything.
+        """
+        if not self.allow_hub and not Path(self.hf_path).is_dir():
+            raise ConfigError(
+                f"`hf_path`={self.hf_path!r} is not a local directory (resolved from "
+                f"{str(Path.cwd())!r}); give the path of a Hugging Face checkpoint, or set "
+                "`allow_hub`: true to download it from the Hugging Face Hub")
 
     @property
     def torch_dtype(self):
@@ -221,8 +236,7 @@ def load_config[T](cls: type[T], path: str | Path | None = None,
     """
     data: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text)
+        loaded = _read_yaml(Path(path))
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level of a config file must be a mapping")
         data = loaded if loaded is not None else {}
@@ -249,6 +263,36 @@ def save_config(config: Any, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                first = seen[key]
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
+    """Parse ``path``; syntax errors and duplicate keys name the file, line and column."""
+    text = path.read_text()
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(part for part in (error.context, error.problem) if part)
+        raise ConfigError(f"{where}: {problem}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: {error}") from None
 
 
 def _apply_override(data: dict[str, Any], override: str) -> None:

@@ -40,8 +40,8 @@ def test_load_yaml_with_overrides(tmp_path):
     ({"model": {"hf_path": "/c"}, "parallell": {}},
      "unknown config key 'parallell' (known keys: learning_rates, model, parallel, seed)"),
     ({"model": {"hf_path": "/c", "dtyp": "float32"}},
-     "unknown config key 'model.dtyp' (known keys: dtype, hf_path, layer_spec, load_weights, "
-     "moe_aux_loss_coeff)"),
+     "unknown config key 'model.dtyp' (known keys: allow_hub, dtype, hf_path, layer_spec, "
+     "load_weights, moe_aux_loss_coeff)"),
     ({}, "missing required config key 'model'"),
     ({"model": {}}, "missing required config key 'model.hf_path'"),
     ({"model": {"hf_path": "/c", "dtype": "fp8"}},
@@ -265,3 +265,33 @@ def test_grpo_sections_built_in_code_name_their_own_keys():
     with pytest.raises(ConfigError) as error:
         TaskConfig(max_operand=10)
     assert str(error.value) == "max_operand must be in [1, 9] for num_digits=1, got 10"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("model:\n  hf_path: /c\n  dtype: [float32\n",
+     r"job.yaml:4:1: while parsing a flow sequence expected ',' or ']', but got '<stream end>'"),
+    ("model:\n  hf_path: /c\n\tdtype: float32\n",
+     r"job.yaml:3:1: while scanning for the next token found character '\\t'"),
+    ("model:\n  hf_path: /c\n  hf_path: /d\n",
+     r"job.yaml:3:3: duplicate key 'hf_path' \(first given on line 2\)"),
+    ("model:\n  hf_path: /c\nseed: 1\nmodel:\n  dtype: float32\n",
+     r"job.yaml:4:1: duplicate key 'model' \(first given on line 1\)"),
+])
+def test_yaml_errors_name_the_file_and_line(tmp_path, text, message):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path))}/{message}"):
+        load_config(JobConfig, path)
+
+
+def test_a_model_path_that_is_not_a_local_directory_needs_allow_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=(
+            r"^hf_path='org/name' is not a local directory \(resolved from '.*'\); give the "
+            r"path of a Hugging Face checkpoint, or set allow_hub: true to download it from "
+            r"the Hugging Face Hub$")) as error:
+        ModelConfig(hf_path="org/name").check_local()
+    assert str(error.value.at("model")).startswith("model.hf_path='org/name' is not a local")
+    ModelConfig(hf_path="org/name", allow_hub=True).check_local()
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    ModelConfig(hf_path="org/name").check_local()
