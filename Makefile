@@ -28,8 +28,8 @@ test: venv
 	$(BIN)/python -m pytest tests -q
 
 demo: venv
+	rm -rf $(DEMO_DIR)/tiny-llama $(DEMO_DIR)/run
 	$(BIN)/python recipes/make_tiny_model.py $(DEMO_DIR)/tiny-llama --layers 8
-	rm -rf $(DEMO_DIR)/run
 	$(BIN)/torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
 	  --config configs/grpo_tiny_cpu_colocated.yaml run.output_dir=$(DEMO_DIR)/run
 

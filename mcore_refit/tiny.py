@@ -43,6 +43,15 @@ class TinyModelSpec:
     moe_intermediate_size: int = 32
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings", "num_experts",
+                     "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
+                             f"num_attention_heads={self.num_attention_heads}")
         if not 1 <= self.num_experts_per_token <= self.num_experts:
             raise ValueError(f"num_experts_per_token={self.num_experts_per_token} must be in "
                              f"[1, num_experts={self.num_experts}]")
@@ -60,9 +69,14 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec = TinyModelSp
     """Write a random-weight checkpoint plus tokenizer for ``spec`` to ``out_dir``.
 
     Weights are a deterministic function of ``spec`` (seeded). Norm weights are perturbed away
-    from 1 so that a norm exported into the wrong slot would be noticed.
+    from 1 so that a norm exported into the wrong slot would be noticed. ``out_dir`` must be new
+    or empty: ``save_pretrained`` deletes the ``*.safetensors`` files it finds there.
     """
     out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{str(out)!r} exists and is not an empty directory; writing a "
+                         "checkpoint there would replace (and delete the *.safetensors of) what "
+                         "it holds: choose a new or empty directory")
     out.mkdir(parents=True, exist_ok=True)
     model = _build_hf_model(spec)
     model.save_pretrained(out)

@@ -46,4 +46,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ValueError as error:  # a refused directory or size: the message says which
+        sys.exit(f"make_tiny_model.py: error: {error}")

@@ -13,6 +13,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 BUDGET_S=${BUDGET_S:-580}
 source "$(dirname "$0")/steps.sh"
 
+# A warm machine keeps earlier calls' files: checkpoints and run directories are made afresh.
+rm -rf /tmp/tiny-llama /tmp/llama-0.5b runs/colocated_2_ranks runs/colocated_1_rank
 python3 recipes/make_tiny_model.py /tmp/tiny-llama --layers 8 > /dev/null || exit 1
 python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \
   --kv-heads 4 > /dev/null || exit 1

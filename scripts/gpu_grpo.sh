@@ -19,6 +19,7 @@ source "$(dirname "$0")/steps.sh"
 grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env RUN_DIR (default NAME)
   local name=$1 limit=$2 nproc=$3 config=$4 lr=$5; shift 5
   local dir=${RUN_DIR:-$name}
+  rm -rf "runs/$dir"  # a run directory belongs to one run (a warm machine keeps old ones)
   step "$name" "$limit" torchrun --standalone --nproc-per-node "$nproc" \
     recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$dir" \
     policy.optimizer.lr="$lr" policy.optimizer.lr_warmup_steps="$WARMUP" "$@"
@@ -38,6 +39,7 @@ EOF
 }
 
 # MODEL_ARGS: a smaller model for a dry run on CPU.
+rm -rf "$MODEL"
 python3 recipes/make_tiny_model.py "$MODEL" \
   ${MODEL_ARGS:---layers 24 --hidden-size 1536 --heads 12 --kv-heads 4} > /dev/null || exit 1
 

@@ -12,6 +12,8 @@ STEPS=${STEPS:-100} BUDGET_S=${BUDGET_S:-580}
 MODEL=/tmp/qwen3-moe-1b
 source "$(dirname "$0")/steps.sh"
 
+# A warm machine keeps earlier calls' files: the checkpoint and run directory are made afresh.
+rm -rf "$MODEL" runs/grpo_moe
 # MODEL_ARGS: a smaller model for a dry run on CPU.
 python3 recipes/make_tiny_model.py "$MODEL" --arch qwen3_moe \
   ${MODEL_ARGS:---layers 24 --hidden-size 1024 --heads 16 --kv-heads 4 --experts 32 --experts-per-token 4} \

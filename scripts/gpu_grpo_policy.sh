@@ -3,6 +3,8 @@
 # policy parity tests, then GRPO non-colocated PP2 x VPP2. Results under ${OUT:-.}.
 set -u
 D=${OUT:-.}; export PYTHONUNBUFFERED=1
+# A warm machine keeps earlier calls' files: checkpoints and run directories are made afresh.
+rm -rf /tmp/llama-0.5b runs/grpo_gpu_colocated runs/grpo_gpu_non_colocated
 python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \
   --kv-heads 4 > /dev/null
 run() {  # run NAME LIMIT COMMAND...: stdout/stderr to files, exit code to rc.txt

@@ -13,6 +13,7 @@ source "$(dirname "$0")/steps.sh"
 
 grpo() {  # grpo NAME LIMIT NPROC CONFIG [extra overrides]
   local name=$1 limit=$2 nproc=$3 config=$4; shift 4
+  rm -rf "runs/$name"  # a run directory belongs to one run (a warm machine keeps old ones)
   step "$name" "$limit" torchrun --standalone --nproc-per-node "$nproc" \
     recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$name" \
     policy.optimizer.lr="$LR" "$@"
@@ -20,6 +21,7 @@ grpo() {  # grpo NAME LIMIT NPROC CONFIG [extra overrides]
   cp "runs/$name/metrics.jsonl" "$D/${name}_metrics.jsonl" 2> /dev/null
 }
 
+rm -rf "$MODEL"
 python3 recipes/make_tiny_model.py "$MODEL" \
   ${MODEL_ARGS:---layers 24 --hidden-size 1536 --heads 12 --kv-heads 4} > /dev/null || exit 1
 CUDA_VISIBLE_DEVICES=0 grpo colocated 280 1 configs/grpo_gpu_colocated.yaml &

@@ -8,6 +8,8 @@ set -u
 D=${OUT:-.}/single; mkdir -p "$D"; export PYTHONUNBUFFERED=1
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/steps.sh"
+# A warm machine keeps earlier calls' files: checkpoints and run directories are made afresh.
+rm -rf /tmp/llama-0.5b runs/grpo_gpu_colocated
 python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \
   --kv-heads 4 > /dev/null || exit 1
 step grpo_colocated 330 torchrun --standalone --nproc-per-node 1 recipes/grpo.py \

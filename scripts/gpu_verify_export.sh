@@ -6,6 +6,7 @@
 # Writes one JSON line per run to ${OUT:-.}/verify_export.jsonl.
 set -u
 out=${OUT:-.}/verify_export.jsonl
+rm -rf /tmp/vx  # make_tiny_model refuses a non-empty directory (a warm machine keeps old ones)
 python3 recipes/make_tiny_model.py /tmp/vx/tiny --layers 8 > /dev/null
 python3 recipes/make_tiny_model.py /tmp/vx/medium --layers 8 --hidden-size 1024 --heads 16 \
   --kv-heads 8 --vocab-size 32000 > /dev/null

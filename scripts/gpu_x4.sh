@@ -26,6 +26,7 @@ verify() {  # verify MODEL DTYPE LIMIT: one JSON line per run in verify_export.j
     >> "$D/verify_export.jsonl"
 }
 
+rm -rf "$M/tiny" "$M/medium"  # make_tiny_model refuses a non-empty directory
 step make_models 30 bash -c "python3 recipes/make_tiny_model.py $M/tiny --layers 8 && \
   python3 recipes/make_tiny_model.py $M/medium --layers 8 --hidden-size 1024 --heads 16 \
     --kv-heads 8 --vocab-size 32000"
