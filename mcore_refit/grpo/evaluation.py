@@ -32,10 +32,15 @@ class Evaluator:
         self._truncated_penalty = config.grpo.truncated_penalty
         self._sampling = dataclasses.replace(config.inference.sampling, greedy=True)
 
-    def evaluate(self, rollouts) -> dict[str, float]:
-        """``eval/*`` metrics of the engines' current weights."""
+    def evaluate(self, rollouts, *, seed: int) -> dict[str, float]:
+        """``eval/*`` metrics of the engines' current weights.
+
+        Greedy decoding draws no random numbers, so the same weights give the same metrics (a
+        resumed run's equal an uninterrupted one's); ``seed`` goes to the engines' sampler all
+        the same, which keeps its state a function of the step.
+        """
         groups = rollouts.generate([p.prompt for p in self.problems], num_samples=1,
-                                   sampling=self._sampling)
+                                   sampling=self._sampling, seed=seed)
         completions = [group[0] for group in groups]
         rewards = score_completions(self._reward, self.problems, [c.text for c in completions],
                                     [c.stopped for c in completions],

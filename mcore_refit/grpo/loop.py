@@ -11,7 +11,7 @@ summary lines (:mod:`~mcore_refit.grpo.console`) and, at the end, ``metrics.png`
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import statistics
 import time
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from mcore_refit.grpo.batch import build_rollout_batch, with_fields
 from mcore_refit.grpo.config import GRPOJobConfig
@@ -30,13 +29,12 @@ from mcore_refit.grpo.metrics import METRICS_FILE, MetricsWriter, read_metrics, 
 from mcore_refit.grpo.plot import PLOT_FILE, plot_metrics
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
+from mcore_refit.grpo.rollouts import derive_seed
+from mcore_refit.grpo.rundir import RunDirectory, RunState
 from mcore_refit.grpo.tasks import build_task
 from mcore_refit.policy.worker import Policy
 
 logger = logging.getLogger(__name__)
-
-STATE_FILE = "trainer_state.json"
-
 
 @dataclass
 class RunHistory:
@@ -56,14 +54,20 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     but the :class:`~mcore_refit.grpo.protocol.Rollouts` calls.
     """
     output_dir = Path(config.run.output_dir)
-    start_step = _resume(policy, output_dir) if resume else 0
+    run_dir = RunDirectory(output_dir)
+    state = run_dir.claim(resume=resume, steps=config.run.steps)
+    start_step = resume_from(policy, run_dir, state, config, is_logging_rank) if state else 0
     task = build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
-    task.sample(start_step * config.grpo.prompts_per_step)  # replay the sampler to this step
+    # The task's state is a function of its seed and the problems drawn: replaying the draws
+    # of the steps done restores it exactly.
+    task.sample(start_step * config.grpo.prompts_per_step)
     loss_fn = GRPOLoss(clip_low=config.grpo.clip_low, clip_high=config.grpo.clip_high,
                        kl_coef=config.grpo.kl_coef)
     reward_fn = resolve_reward(config.task.reward)
     evaluator = Evaluator(config) if config.eval is not None else None
-    metrics_writer = MetricsWriter(config, enabled=is_logging_rank)
+    # On resume, TensorBoard drops the events of the replayed steps instead of showing them twice.
+    metrics_writer = MetricsWriter(config, enabled=is_logging_rank,
+                                   purge_step=start_step + 1 if state else None)
     history = RunHistory()
 
     first_refit = rollouts.refit(weight_version=start_step, verify=config.run.verify_refit)
@@ -79,7 +83,8 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
         problems = task.sample(config.grpo.prompts_per_step)
         groups = rollouts.generate([p.prompt for p in problems],
                                    num_samples=config.grpo.samples_per_prompt,
-                                   sampling=config.inference.sampling)
+                                   sampling=config.inference.sampling,
+                                   seed=derive_seed(config.run.seed, step))
         generate_s = time.perf_counter() - started
         repeated = [p for p in problems for _ in range(config.grpo.samples_per_prompt)]
         completions = [c for group in groups for c in group]
@@ -104,14 +109,14 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
         train_s = time.perf_counter() - train_started
 
         refit = rollouts.refit(weight_version=step + 1, verify=config.run.verify_refit)
-        every = config.run.checkpoint_every
-        if step + 1 == config.run.steps or (every and (step + 1) % every == 0):
-            save_checkpoint(policy, output_dir, step=step + 1)
+        # Colocated: the trainer goes back to the host before the evaluation generates (a
+        # checkpoint below brings it back for the save).
         if config.inference.offload_trainer:
             policy.offload()
         eval_metrics = {}
         if evaluator is not None and _eval_due(step + 1, config):
-            eval_metrics = evaluator.evaluate(rollouts)
+            eval_metrics = evaluator.evaluate(rollouts,
+                                              seed=derive_seed(config.run.seed, step, "eval"))
             history.eval_rewards.append(eval_metrics["eval/reward_mean"])
 
         response = rollout.response_mask > 0
@@ -138,7 +143,11 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
         history.rewards.append(record["reward_mean"])
         history.refit_s.append(record["refit_s"])
         history.logprob_mult_err.append(mult_err)
+        # The row goes out before the checkpoint: a run killed in between resumes from the
+        # previous checkpoint and writes this step again, never a checkpoint without its row.
         metrics_writer.log(record)
+        if _checkpoint_due(step + 1, config):
+            _save_checkpoint(policy, run_dir, config, step=step + 1)
         console.update(record)
     console.close()
     metrics_writer.close()
@@ -165,19 +174,51 @@ def _eval_due(step: int, config: GRPOJobConfig) -> bool:
     return step == config.run.steps or (every > 0 and step % every == 0)
 
 
-def save_checkpoint(policy: Policy, output_dir: Path, *, step: int) -> None:
-    """Save the policy under ``output_dir/checkpoints/step_<n>`` and record it as the latest."""
-    path = output_dir / "checkpoints" / f"step_{step:06d}"
-    policy.save_checkpoint(path)
-    if dist.get_rank() == 0:
-        (output_dir / STATE_FILE).write_text(json.dumps({"step": step, "checkpoint": str(path)}))
-    dist.barrier()
+def _checkpoint_due(step: int, config: GRPOJobConfig) -> bool:
+    every = config.run.checkpoint_every
+    return step == config.run.steps or (every > 0 and step % every == 0)
 
 
-def _resume(policy: Policy, output_dir: Path) -> int:
-    state_file = output_dir / STATE_FILE
-    if not state_file.exists():
-        raise ValueError(f"--resume: no {STATE_FILE} in {output_dir}; nothing to resume from")
-    state = json.loads(state_file.read_text())
-    policy.load_checkpoint(state["checkpoint"])
-    return int(state["step"])
+def _save_checkpoint(policy: Policy, run_dir: RunDirectory, config: GRPOJobConfig, *,
+                     step: int) -> None:
+    """Checkpoint ``step``; an offloaded trainer comes back for the save and leaves again."""
+    offloaded = policy.offloaded
+    if offloaded:
+        policy.onload()
+    run_dir.save_checkpoint(policy, step=step, extra={"optimizer": _optimizer_settings(config)})
+    if offloaded:
+        policy.offload()
+
+
+def resume_from(policy: Policy, run_dir: RunDirectory, state: RunState, config: GRPOJobConfig,
+                is_logging_rank: bool) -> int:
+    """Load ``state``'s checkpoint and drop what the run wrote after it; returns its step.
+
+    Refuses optimizer settings other than those the checkpoint was trained with. Collective over
+    the trainer ranks.
+    """
+    check_same_optimizer(state, config, run_dir=run_dir)
+    policy.load_checkpoint(state.checkpoint)
+    if is_logging_rank:
+        run_dir.prepare_resume(state)
+    return state.step
+
+
+def check_same_optimizer(state: RunState, config: GRPOJobConfig, *,
+                         run_dir: RunDirectory) -> None:
+    """Refuse to resume ``state`` with optimizer settings other than the run's."""
+    saved = state.extra.get("optimizer")
+    current = _optimizer_settings(config)
+    if saved is None or saved == current:
+        return
+    changed = ", ".join(f"policy.optimizer.{key}={current.get(key)!r} (checkpoint: "
+                        f"{saved.get(key)!r})" for key in sorted(set(saved) | set(current))
+                        if saved.get(key) != current.get(key))
+    raise ValueError(f"--resume: {changed} differs from the run in {str(run_dir.path)!r}; a "
+                     "resumed run keeps the optimizer settings it was started with (its "
+                     "optimizer state and schedule are restored as saved): restore them, or "
+                     "start a new run from the checkpoint's weights")
+
+
+def _optimizer_settings(config: GRPOJobConfig) -> dict:
+    return dataclasses.asdict(config.policy.optimizer)

@@ -53,7 +53,10 @@ class MetricsWriter:
     """Step records to every configured sink; does nothing unless ``enabled``. Call
     :meth:`close`."""
 
-    def __init__(self, config: GRPOJobConfig, *, enabled: bool) -> None:
+    def __init__(self, config: GRPOJobConfig, *, enabled: bool,
+                 purge_step: int | None = None) -> None:
+        """``purge_step``: on resume, the first step written again; TensorBoard drops the events
+        it holds from that step on."""
         self._enabled = enabled
         self._file = None
         self._tensorboard = None
@@ -66,7 +69,8 @@ class MetricsWriter:
         if config.run.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(str(output_dir / TENSORBOARD_DIR))
+            self._tensorboard = SummaryWriter(str(output_dir / TENSORBOARD_DIR),
+                                              purge_step=purge_step)
         wandb_config = config.run.wandb
         if wandb_config.project is not None:
             import wandb  # the optional extra; its presence was checked with the config

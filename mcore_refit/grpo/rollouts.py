@@ -29,6 +29,7 @@ Completions travel between processes and ranks as JSON (``completions_to_json``)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,16 +117,18 @@ class ColocatedRollouts:
         self.refitter.prepare()
         self.engine.wait("init_weight_transfer_engine")
 
-    def generate(self, prompts: Sequence[str], *, num_samples: int,
-                 sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[str], *, num_samples: int, sampling: SamplingConfig,
+                 seed: int) -> list[list[Completion]]:
         """Completions for every prompt on every trainer rank; each rank samples its share.
 
-        Each engine has ``inference.timeout_s``; the ranks then exchange their shards (or
-        errors) over the trainer ranks' gloo group.
+        Rank r's engine samples with ``derive_seed(seed, r)``. Each engine has
+        ``inference.timeout_s``; the ranks then exchange their shards (or errors) over the
+        trainer ranks' gloo group.
         """
         rank, world = self._context.rank, self._context.world_size
         local = Outcome.of(self.engine.call, "generate", prompts=list(prompts[rank::world]),
-                           num_samples=num_samples, sampling=sampling)
+                           num_samples=num_samples, sampling=sampling,
+                           seed=derive_seed(seed, rank))
         shards = self._trainers.share_outcomes(local, what="generate", who="trainer rank")
         return interleave([completions_from_json(shard) for shard in shards], len(prompts))
 
@@ -197,25 +200,26 @@ class DedicatedRollouts:
         self.refitter = Refitter(source=source, sender=sender)
         self.refitter.prepare()
 
-    def generate(self, prompts: Sequence[str], *, num_samples: int,
-                 sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[str], *, num_samples: int, sampling: SamplingConfig,
+                 seed: int) -> list[list[Completion]]:
         """Completions for every prompt on every trainer rank.
 
-        Trainer rank 0 sends the prompts to the inference ranks (each samples its share) and
+        Trainer rank 0 sends the prompts to the inference ranks (each samples its share, inference
+        rank r with ``derive_seed(seed, r)``) and
         waits ``inference.timeout_s`` for their replies; then it shares its outcome with the
         other trainer ranks over their gloo group.
         """
         outcome = Outcome(ok=True)
         if self._lead:
             outcome = Outcome.of(self._generate_on_inference_ranks, prompts=prompts,
-                                 num_samples=num_samples, sampling=sampling)
+                                 num_samples=num_samples, sampling=sampling, seed=seed)
         shards = self._share_lead_outcome(outcome, "generate")
         return interleave([completions_from_json(shard) for shard in shards], len(prompts))
 
     def _generate_on_inference_ranks(self, *, prompts: Sequence[str], num_samples: int,
-                                      sampling: SamplingConfig) -> list:
+                                      sampling: SamplingConfig, seed: int) -> list:
         self._command({"op": "generate", "prompts": list(prompts), "num_samples": num_samples,
-                       "sampling": sampling.to_json()})
+                       "sampling": sampling.to_json(), "seed": seed})
         return self._replies("generate", timeout_s=self._config.inference.timeout_s)
 
     def release(self) -> None:
@@ -334,8 +338,19 @@ def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
                     num_shards: int) -> list[list[dict]]:
     groups = engine.generate(command["prompts"][shard::num_shards],
                              num_samples=command["num_samples"],
-                             sampling=SamplingConfig.from_json(command["sampling"]))
+                             sampling=SamplingConfig.from_json(command["sampling"]),
+                             seed=derive_seed(command["seed"], shard))
     return completions_to_json(groups)
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that depends on every part (the run's seed, the step, the engine's shard).
+
+    Sampling with a seed derived from the step makes a step's rollouts independent of what the
+    engines sampled before it: a resumed run samples what an uninterrupted one would have.
+    """
+    digest = hashlib.sha256("/".join(str(part) for part in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def interleave(shards: Sequence[Sequence[Any]], num_prompts: int) -> list[Any]:

@@ -144,12 +144,18 @@ class InferenceEngine:
     # -- generation -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str], *, num_samples: int,
-                 sampling: SamplingConfig) -> list[list[Completion]]:
-        """``num_samples`` completions for each prompt, grouped per prompt."""
+    def generate(self, prompts: Sequence[str], *, num_samples: int, sampling: SamplingConfig,
+                 seed: int | None = None) -> list[list[Completion]]:
+        """``num_samples`` completions for each prompt, grouped per prompt.
+
+        With ``seed`` the sampler restarts from it (the same prompts, weights and seed give the
+        same completions); without, it continues from the previous call.
+        """
         if not self._weights_valid:
             raise RuntimeError("the engine's weights were released and no refit has loaded "
                                "them since; refusing to generate")
+        if seed is not None:
+            self._generator.manual_seed(seed)
         stop_id = self._stop_token_id(sampling.stop_token)
         prompt_ids = [tuple(self.tokenizer(p, add_special_tokens=False)["input_ids"])
                       for p in prompts]

@@ -297,9 +297,10 @@ class InferenceServer:
     def do_update_weights(self, weight_version: int) -> dict:
         return receive_weight_update(self.endpoint, self.engine, weight_version)
 
-    def do_generate(self, prompts, num_samples, sampling) -> list[list[dict]]:
+    def do_generate(self, prompts, num_samples, sampling, seed=None) -> list[list[dict]]:
         return completions_to_json(self.engine.generate(
-            prompts, num_samples=num_samples, sampling=SamplingConfig.from_json(sampling)))
+            prompts, num_samples=num_samples, sampling=SamplingConfig.from_json(sampling),
+            seed=seed))
 
     def do_release_memory(self) -> None:
         self.engine.release_memory()

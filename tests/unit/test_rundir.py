@@ -1,0 +1,94 @@
+"""The run directory: one run per directory, state read back with errors naming the file,
+metrics truncated on resume (issue 15 items 3, 4, 5, 8)."""
+
+import json
+import shutil
+
+import pytest
+
+from mcore_refit.grpo.rundir import RunDirectory
+
+
+def finished_run(path, *, step=4, rows=5):
+    """A run directory as a run that checkpointed ``step`` and logged ``rows`` steps leaves it."""
+    (path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    (path / "trainer_state.json").write_text(
+        json.dumps({"step": step, "checkpoint": f"checkpoints/step_{step:06d}"}))
+    (path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(1, rows + 1)))
+    return RunDirectory(path)
+
+
+def test_a_fresh_run_is_refused_in_a_directory_holding_another_run(tmp_path):
+    finished_run(tmp_path)
+    with pytest.raises(ValueError, match=(
+            rf"run.output_dir '{tmp_path}' already holds a run \(trainer_state.json, "
+            r"checkpoints, metrics.jsonl\); pass --resume to continue it, or choose another "
+            r"run.output_dir")):
+        RunDirectory(tmp_path).claim(resume=False, steps=8)
+
+
+def test_a_fresh_run_may_use_an_empty_or_logs_only_directory(tmp_path):
+    assert RunDirectory(tmp_path / "new").claim(resume=False, steps=8) is None
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("")  # opened by a run that died in its start-up
+    assert RunDirectory(tmp_path).claim(resume=False, steps=8) is None
+
+
+def test_checkpoint_paths_are_relative_to_the_run_directory(tmp_path):
+    finished_run(tmp_path / "original")
+    shutil.copytree(tmp_path / "original", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "original")
+    state = RunDirectory(tmp_path / "copy").claim(resume=True, steps=8)
+    assert state.step == 4
+    assert state.checkpoint == tmp_path / "copy" / "checkpoints" / "step_000004"
+
+
+def test_an_absolute_checkpoint_path_is_refused(tmp_path):
+    run = finished_run(tmp_path)
+    run.state_file.write_text(json.dumps(
+        {"step": 4, "checkpoint": str(tmp_path / "checkpoints" / "step_000004")}))
+    with pytest.raises(ValueError, match="'checkpoint' must be a path relative to the run "
+                                         "directory"):
+        run.claim(resume=True, steps=8)
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_resuming_to_a_step_the_checkpoint_already_reached_is_refused(tmp_path, steps):
+    with pytest.raises(ValueError, match=rf"--resume: run.steps={steps} but the checkpoint in "
+                                         rf"'{tmp_path}' is at step 4; set run.steps above 4"):
+        finished_run(tmp_path).claim(resume=True, steps=steps)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", r"trainer_state.json is not valid JSON \(Expecting value at line 1, the file is "
+         r"empty\)"),
+    ("{\"step\": 4", r"trainer_state.json is not valid JSON"),
+    ("[4]", r"trainer_state.json: expected a JSON object, got list"),
+    ('{"step": 0, "checkpoint": "checkpoints/step_000004"}',
+     r"trainer_state.json: 'step' must be a positive integer, got 0"),
+    ('{"step": 4, "checkpoint": "checkpoints/step_000009"}',
+     r"trainer_state.json names checkpoint '.*step_000009', which does not exist"),
+])
+def test_a_bad_state_file_is_named(tmp_path, text, message):
+    run = finished_run(tmp_path)
+    run.state_file.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/{message}"):
+        run.claim(resume=True, steps=8)
+
+
+def test_resume_without_a_state_file(tmp_path):
+    with pytest.raises(ValueError, match=r"--resume: no trainer_state.json in .*; nothing to "
+                                         r"resume from"):
+        RunDirectory(tmp_path).claim(resume=True, steps=8)
+
+
+def test_resume_forgets_rows_after_the_checkpoint_and_partial_checkpoints(tmp_path):
+    run = finished_run(tmp_path, step=4, rows=6)
+    with run.metrics_file.open("a") as file:
+        file.write('{"step": 7, "rew')  # cut short by a kill
+    (tmp_path / "checkpoints" / "step_000006.partial").mkdir()
+    run.prepare_resume(run.claim(resume=True, steps=8))
+    steps = [json.loads(line)["step"] for line in run.metrics_file.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
