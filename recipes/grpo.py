@@ -22,8 +22,11 @@ from pathlib import Path
 from mcore_refit.config import load_config
 from mcore_refit.grpo import job
 from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.launch import LaunchError, TorchrunRanks
 from mcore_refit.logs import configure_logging
 from mcore_refit.processes import exit_after, stop_on_sigterm
+
+LAUNCH = "torchrun --standalone --nproc-per-node N recipes/grpo.py --config configs/X.yaml"
 
 
 def main(argv: list[str]) -> int:
@@ -35,34 +38,39 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     config = load_config(GRPOJobConfig, args.config, args.overrides)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        ranks = TorchrunRanks.from_environment(os.environ, command=LAUNCH)
+    except LaunchError as error:
+        parser.error(str(error))
+    rank, world_size = ranks.rank, ranks.world_size
+    job.validate_launch(config, world_size=world_size, resume=args.resume)
     configure_logging(rank=rank, log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
-    # Each node's own ranks: they pick the GPUs of their node (multi-node launches too).
-    local = dict(local_rank=int(os.environ["LOCAL_RANK"]),
-                 local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
     # torchrun stops every rank with SIGTERM once one failed: unwind (engines stopped, IPC files
     # removed) and name the dead rank, rather than vanish.
     with stop_on_sigterm():
         if config.refit.mode == "colocated":
-            summary = job.run_colocated(config, rank=rank, world_size=world_size, **local,
-                                        job_id=_job_id(), resume=args.resume)
+            summary = job.run_colocated(config, rank=rank, world_size=world_size,
+                                        local_rank=ranks.local_rank,
+                                        local_world_size=ranks.local_world_size,
+                                        job_id=_job_id(ranks), resume=args.resume)
         else:
-            summary = job.run_non_colocated(config, rank=rank, world_size=world_size, **local,
-                                            resume=args.resume,
-                                            store_host=os.environ["MASTER_ADDR"],
-                                            store_port=int(os.environ["MASTER_PORT"]))
+            summary = job.run_non_colocated(config, rank=rank, world_size=world_size,
+                                            local_rank=ranks.local_rank,
+                                            local_world_size=ranks.local_world_size,
+                                            resume=args.resume, store_host=ranks.master_addr,
+                                            store_port=ranks.master_port)
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0
 
 
-def _job_id() -> str:
+def _job_id(ranks: TorchrunRanks) -> str:
     """Unique among the jobs running on this host (names the CPU engines' sockets).
 
     ``--standalone`` gives each launch its own run id; a plain ``torchrun`` leaves
     TORCHELASTIC_RUN_ID at "none", and then the rendezvous port tells concurrent jobs apart.
     """
-    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'grpo')}-{os.environ['MASTER_PORT']}"
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'grpo')}-{ranks.master_port}"
 
 
 if __name__ == "__main__":

@@ -18,8 +18,18 @@ import os
 import sys
 import typing
 
-from mcore_refit.config import Dtype, ModelConfig, ParallelConfig
+from mcore_refit.config import ConfigError, Dtype, ModelConfig, ParallelConfig
+from mcore_refit.launch import LaunchError, TorchrunRanks
 from mcore_refit.verify import TOLERANCES
+
+LAUNCH = "torchrun --nproc-per-node N recipes/verify_export.py --hf-path DIR --tp T --pp P"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,19 +47,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ),
     )
     parser.add_argument("--hf-path", required=True, help="Hugging Face checkpoint directory")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank")
-    parser.add_argument("--ep", type=int, default=1,
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--vpp", type=positive_int, default=None,
+                        help="model chunks per pipeline rank")
+    parser.add_argument("--ep", type=positive_int, default=1,
                         help="expert-parallel size (mixture-of-experts models)")
     parser.add_argument("--dtype", choices=typing.get_args(Dtype), default="float32",
                         help="Megatron parameter dtype (the checkpoint is cast to it)")
     parser.add_argument("--layer-spec", choices=("auto", "te", "local"), default="auto")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--seq-length", type=int, default=16)
+    parser.add_argument("--micro-batches", type=positive_int, default=4)
+    parser.add_argument("--micro-batch-size", type=positive_int, default=2)
+    parser.add_argument("--seq-length", type=positive_int, default=16)
     parser.add_argument("--seed", type=int, default=1234)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.ranks = TorchrunRanks.from_environment(os.environ, command=LAUNCH)
+        ModelConfig(hf_path=args.hf_path).check_local()
+    except LaunchError as error:
+        parser.error(str(error))
+    except ConfigError:
+        parser.error(f"--hf-path {args.hf_path!r} is not a local directory")
+    return args
 
 
 def main(argv: list[str]) -> int:
@@ -61,11 +80,9 @@ def main(argv: list[str]) -> int:
                               expert=args.ep)
     model_config = ModelConfig(hf_path=args.hf_path, dtype=args.dtype,
                                layer_spec=args.layer_spec)
-    context = distributed.init_distributed(
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ["LOCAL_RANK"]),
-    )
+    context = distributed.init_distributed(rank=args.ranks.rank,
+                                           world_size=args.ranks.world_size,
+                                           local_rank=args.ranks.local_rank)
     try:
         report = verify_layout(model_config, parallel, device=context.device, seed=args.seed,
                                num_micro_batches=args.micro_batches,

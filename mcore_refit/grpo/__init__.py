@@ -5,6 +5,8 @@ Above the core (model, pipeline, policy, refit, inference), which never imports 
 - ``config.py``    the job's YAML sections (model, parallel, policy, refit, inference, task, grpo,
                    run) and their cross-checks;
 - ``loop.py``      generate → score → train → refit, every step; checkpoints, resume;
+- ``rundir.py``    the run directory: one run per directory, atomic checkpoints, resume state;
+- ``job.py``       launch checks, process groups, the trainer and rollouts of a job;
 - ``protocol.py``  the ``Rollouts`` protocol: the only calls the loop makes to where rollouts come
                    from (generate, release, refit, close);
 - ``rollouts.py``  its two backends: engines colocated with the trainer ranks, or dedicated

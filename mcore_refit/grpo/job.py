@@ -11,15 +11,81 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit import distributed
+from mcore_refit.config import ConfigError
 from mcore_refit.control import ControlGroup, raise_dead_peer_first
 from mcore_refit.grpo.config import GRPOJobConfig
-from mcore_refit.grpo.loop import run_grpo
+from mcore_refit.grpo.evaluation import EVAL_SEED_OFFSET, draw_eval_set
+from mcore_refit.grpo.loop import check_same_optimizer, run_grpo
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
+from mcore_refit.grpo.rundir import RunDirectory
+from mcore_refit.grpo.tasks import build_task
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
 from mcore_refit.refit.export import ModelExport
+
+
+def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> None:
+    """What the config alone cannot check: the launch's size, local files, the run directory.
+
+    Cheap and local: call on every rank before the start-up (process groups, model), so a bad
+    launch fails in seconds with an error that names the key.
+    """
+    try:
+        config.model.check_local()
+    except ConfigError as error:
+        raise error.at("model") from None
+    num_trainers, num_engines = _roles(config, world_size)
+    parallel = config.parallel
+    if num_trainers % parallel.model_parallel_size != 0:
+        layout = (f"`parallel.tensor` × `parallel.pipeline` = {parallel.tensor} × "
+                  f"{parallel.pipeline}")
+        if config.refit.mode == "colocated":
+            raise ConfigError(f"{world_size} launched ranks do not divide into {layout}; launch "
+                              f"a multiple of {parallel.model_parallel_size} ranks")
+        fitting = -(-num_trainers // parallel.model_parallel_size) * parallel.model_parallel_size
+        raise ConfigError(
+            f"{world_size} launched ranks less `inference.num_ranks`={num_engines} leave "
+            f"{num_trainers} trainer rank(s), which do not divide into {layout}; launch "
+            f"{fitting + num_engines} ranks ({fitting} trainer + {num_engines} inference)")
+    if config.grpo.prompts_per_step < num_engines:
+        raise ConfigError(
+            f"`grpo.prompts_per_step`={config.grpo.prompts_per_step} is smaller than the "
+            f"{num_engines} inference engines ({_engines_come_from(config)}); every engine "
+            "needs at least one prompt per step")
+    try:
+        build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"`task`: {error}") from None
+    if config.eval is not None:
+        try:
+            draw_eval_set(config.eval, seed=config.run.seed + EVAL_SEED_OFFSET,
+                          hf_path=config.model.hf_path)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"`eval`: {error}") from None
+    run_dir = RunDirectory(config.run.output_dir)
+    state = run_dir.claim(resume=resume, steps=config.run.steps)
+    if state is not None:
+        check_same_optimizer(state, config, run_dir=run_dir)
+
+
+def _roles(config: GRPOJobConfig, world_size: int) -> tuple[int, int]:
+    """(trainer ranks, inference engines) of a launch of ``world_size`` ranks."""
+    if config.refit.mode == "colocated":
+        return world_size, world_size
+    num_engines = config.inference.num_ranks
+    if num_engines >= world_size:
+        raise ConfigError(
+            f"`inference.num_ranks`={num_engines} leaves no trainer rank among the {world_size} "
+            f"launched ranks (`refit.mode`=non_colocated); launch at least {num_engines + 1}")
+    return world_size - num_engines, num_engines
+
+
+def _engines_come_from(config: GRPOJobConfig) -> str:
+    if config.refit.mode == "colocated":
+        return "one per launched rank, `refit.mode`=colocated"
+    return "`inference.num_ranks`"
 
 
 def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,

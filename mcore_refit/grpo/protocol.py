@@ -32,10 +32,13 @@ from mcore_refit.refit.telemetry import RefitTelemetry
 class Rollouts(Protocol):
     """Generates completions with the latest weights it received, and receives new weights."""
 
-    def generate(self, prompts: Sequence[str], *, num_samples: int,
-                 sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[str], *, num_samples: int, sampling: SamplingConfig,
+                 seed: int) -> list[list[Completion]]:
         """``num_samples`` completions per prompt, ``prompts`` order, the same on every trainer
-        rank; each carries its token ids and the sampler's logprob of each token."""
+        rank; each carries its token ids and the sampler's logprob of each token. The engines
+        sample from ``seed`` (each with one derived from it and its shard), so the same
+        weights, prompts and seed give the same completions: a resumed run's steps equal an
+        uninterrupted run's."""
         ...
 
     def release(self) -> None:

@@ -1,0 +1,91 @@
+"""Launch checks that run before the slow start-up: torchrun's variables, the launch's size
+against the config, local files (issue 15 items 8 and 9)."""
+
+import json
+
+import pytest
+
+from mcore_refit.config import ConfigError, load_config
+from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.grpo.job import validate_launch
+from mcore_refit.launch import LaunchError, TorchrunRanks
+from tests.launch import REPO_ROOT
+
+COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
+NON_COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_non_colocated.yaml"
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_torchrun_ranks_from_the_environment():
+    assert TorchrunRanks.from_environment(TORCHRUN, command="x") == TorchrunRanks(
+        rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="127.0.0.1",
+        master_port=29500)
+
+
+def test_without_torchrun_the_error_says_how_to_launch():
+    with pytest.raises(LaunchError, match=r"^RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+                                          r"MASTER_ADDR, MASTER_PORT not set: this recipe "
+                                          r"runs under torchrun, e.g. `torchrun x`$"):
+        TorchrunRanks.from_environment({"PATH": "/bin"}, command="torchrun x")
+    with pytest.raises(LaunchError, match="RANK=2 is outside WORLD_SIZE=2"):
+        TorchrunRanks.from_environment({**TORCHRUN, "RANK": "2"}, command="x")
+
+
+def config(tmp_path, path=COLOCATED, *overrides):
+    return load_config(GRPOJobConfig, path, [f"model.hf_path={tmp_path}",
+                                             f"run.output_dir={tmp_path / 'run'}", *overrides])
+
+
+@pytest.mark.parametrize(("path", "world_size", "overrides", "message"), [
+    (NON_COLOCATED, 2, [],
+     "2 launched ranks less inference.num_ranks=1 leave 1 trainer rank(s), which do not divide "
+     "into parallel.tensor × parallel.pipeline = 1 × 2; launch 3 ranks (2 trainer + 1 inference)"),
+    (NON_COLOCATED, 1, [],
+     "inference.num_ranks=1 leaves no trainer rank among the 1 launched ranks "
+     "(refit.mode=non_colocated); launch at least 2"),
+    (COLOCATED, 3, [],
+     "3 launched ranks do not divide into parallel.tensor × parallel.pipeline = 1 × 2; launch a "
+     "multiple of 2 ranks"),
+    (COLOCATED, 2, ["grpo.prompts_per_step=1"],
+     "grpo.prompts_per_step=1 is smaller than the 2 inference engines (one per launched rank, "
+     "refit.mode=colocated); every engine needs at least one prompt per step"),
+    (NON_COLOCATED, 4, ["inference.num_ranks=2", "grpo.prompts_per_step=1"],
+     "grpo.prompts_per_step=1 is smaller than the 2 inference engines (inference.num_ranks); "
+     "every engine needs at least one prompt per step"),
+    (COLOCATED, 2, ["task.kind=jsonl", "task.path=/nonexistent/problems.jsonl"],
+     "task: [Errno 2] No such file or directory: '/nonexistent/problems.jsonl'"),
+])
+def test_a_launch_that_does_not_fit_the_config_fails_before_the_start_up(
+        tmp_path, path, world_size, overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate_launch(config(tmp_path, path, *overrides), world_size=world_size, resume=False)
+    assert str(error.value) == message
+
+
+def test_a_launch_checks_the_model_path_and_the_run_directory(tmp_path):
+    job = config(tmp_path)
+    validate_launch(job, world_size=2, resume=False)
+    with pytest.raises(ConfigError, match=r"^model.hf_path='.*/missing' is not a local "
+                                          r"directory"):
+        validate_launch(config(tmp_path / "missing"), world_size=2, resume=False)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds a run"):
+        validate_launch(job, world_size=2, resume=False)
+
+
+def test_resuming_with_another_learning_rate_is_refused_before_the_start_up(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    settings = dict(config(tmp_path).policy.optimizer.__dict__)
+    (run / "trainer_state.json").write_text(json.dumps(
+        {"step": 2, "checkpoint": "checkpoints/step_000002", "optimizer": settings}))
+    validate_launch(config(tmp_path), world_size=2, resume=True)
+    with pytest.raises(ValueError) as error:
+        validate_launch(config(tmp_path, COLOCATED, "policy.optimizer.lr=0.001"), world_size=2,
+                        resume=True)
+    assert str(error.value) == (
+        f"--resume: policy.optimizer.lr=0.001 (checkpoint: 0.003) differs from the run in "
+        f"'{run}'; a resumed run keeps the optimizer settings it was started with (its optimizer "
+        "state and schedule are restored as saved): restore them, or start a new run from the "
+        "checkpoint's weights")
