@@ -16,6 +16,9 @@ Three independent concerns live here:
 3. The refit export's tensor-parallel gather (:func:`pregathered_tp_shards`), active only around
    one conversion step at a time.
 
+4. The checkpoint writer's results queue (:func:`in_process_write_results`), active only around
+   one synchronous save.
+
 Call :func:`install` once per process before importing ``megatron.bridge`` (``mcore_refit.model``
 does). It is idempotent.
 """
@@ -27,6 +30,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import queue
 import sys
 import threading
 import types
@@ -308,3 +312,28 @@ def pregathered_tp_shards(shards_of):
         yield
     finally:
         MegatronParamMapping.gather_from_tp_ranks = original
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Megatron's checkpoint writer without a manager process
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def in_process_write_results():
+    """While active, Megatron's torch_dist writer collects its write results in a plain queue.
+
+    ``get_write_results_queue`` (megatron/core/dist_checkpointing/strategies/
+    filesystem_async.py:53, megatron-core 0.19.2) makes a ``multiprocessing.Manager().Queue()``
+    at the first save: a server process kept for the life of the trainer, which a trainer
+    killed with SIGKILL leaves running for ever. A synchronous save writes from threads of this
+    process (``write_preloaded_data_multithread``), so a ``queue.Queue`` serves it.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous

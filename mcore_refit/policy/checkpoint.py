@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mcore_refit.compat import in_process_write_results
 from mcore_refit.model import ModelChunks
 from mcore_refit.policy.optim import inner_optimizers
 
@@ -39,7 +40,10 @@ def save_checkpoint(path: str | Path, *, model: ModelChunks, optimizer, schedule
     state = _sharded_state(model, optimizer, metadata=metadata, is_loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["step"] = step
-    dist_checkpointing.save(state, str(path), content_metadata=metadata)
+    # Synchronous: the writer's threads report to a queue of this process, not a manager process
+    # (which would outlive a killed trainer).
+    with in_process_write_results():
+        dist_checkpointing.save(state, str(path), content_metadata=metadata)
     dist.barrier()
 
 

@@ -1,6 +1,7 @@
 """A resumed GRPO run is bit-identical to an uninterrupted one, also after a kill -9 in the
 middle of a checkpoint save (colocated and non-colocated, CPU)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -81,16 +82,22 @@ def kill_in_save(mode, checkpoint, out, *, kill_at):
         launch = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=output,
                                   stderr=subprocess.STDOUT)
         returncode = launch.wait(timeout=540)
+    launcher_exited = time.time()
     deadline = time.time() + 60
     while launched_processes(tag) and time.time() < deadline:
         time.sleep(0.2)
     gone = time.time()
-    leftovers = launched_processes(tag)
-    for pid in leftovers:
-        os.kill(pid, signal.SIGKILL)
+    leftovers = []
+    for pid in launched_processes(tag):
+        with contextlib.suppress(OSError):
+            command_line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            leftovers.append(f"{pid}: {command_line.decode(errors='replace')[:200]}")
+            os.kill(pid, signal.SIGKILL)
     assert marker.exists(), f"rank 0 was not killed:\n{log.read_text()[-5000:]}"
     assert returncode != 0
-    return gone - float(marker.read_text()), leftovers
+    killed = float(marker.read_text())
+    print(f"torchrun exited {launcher_exited - killed:.1f} s after the kill")
+    return gone - killed, leftovers
 
 
 def launched_processes(tag):
