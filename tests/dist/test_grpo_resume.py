@@ -119,6 +119,8 @@ def launched_processes(tag):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="bitwise on CPU; on GPUs the embedding backward accumulates with atomics")
 @pytest.mark.parametrize("mode", ["colocated", "non_colocated"])
 def test_resume_after_a_kill_in_a_checkpoint_save_is_bit_identical(mode, checkpoint, tmp_path):
     _, nproc = CONFIGS[mode]
