@@ -55,6 +55,8 @@ def config(tmp_path, path=COLOCATED, *overrides):
      "every engine needs at least one prompt per step"),
     (COLOCATED, 2, ["task.kind=jsonl", "task.path=/nonexistent/problems.jsonl"],
      "task: [Errno 2] No such file or directory: '/nonexistent/problems.jsonl'"),
+    (COLOCATED, 2, ["eval.kind=jsonl", "eval.path=/nonexistent/val.jsonl"],
+     "eval: [Errno 2] No such file or directory: '/nonexistent/val.jsonl'"),
 ])
 def test_a_launch_that_does_not_fit_the_config_fails_before_the_start_up(
         tmp_path, path, world_size, overrides, message):
@@ -85,7 +87,7 @@ def test_resuming_with_another_learning_rate_is_refused_before_the_start_up(tmp_
         validate_launch(config(tmp_path, COLOCATED, "policy.optimizer.lr=0.001"), world_size=2,
                         resume=True)
     assert str(error.value) == (
-        f"--resume: policy.optimizer.lr=0.001 (checkpoint: 0.003) differs from the run in "
-        f"'{run}'; a resumed run keeps the optimizer settings it was started with (its optimizer "
-        "state and schedule are restored as saved): restore them, or start a new run from the "
-        "checkpoint's weights")
+        f"--resume: policy.optimizer.lr=0.001 (checkpoint: {settings['lr']!r}) differs from the "
+        f"run in '{run}'; a resumed run keeps the optimizer settings it was started with (its "
+        "optimizer state and schedule are restored as saved): restore them, or start a new run "
+        "from the checkpoint's weights")
