@@ -20,7 +20,10 @@ from tests.launch import REPO_ROOT, free_port, last_json_line, run_torchrun
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 KILL_IN_SAVE = REPO_ROOT / "tests" / "dist" / "scenarios" / "grpo_kill_in_save.py"
 CONFIGS = {"colocated": (REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml", 2),
-           "non_colocated": (REPO_ROOT / "configs" / "grpo_tiny_cpu_non_colocated.yaml", 3)}
+           "non_colocated": (REPO_ROOT / "configs" / "grpo_tiny_cpu_non_colocated.yaml", 3),
+           # The trainer offloaded while the evaluation generates, onloaded for each save.
+           "colocated_offload": (REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml", 2)}
+OVERRIDES = {"colocated_offload": ["inference.offload_trainer=true"]}
 # Wall-clock figures of a step; everything else in a metrics row must match bit for bit.
 TIMINGS = {"generate_s", "train_s", "refit_s", "refit_gbps", "step_s"}
 # The fault table's bound on the time from the kill to the exit of every rank.
@@ -38,7 +41,7 @@ def recipe_args(mode, checkpoint, out):
     config, _ = CONFIGS[mode]
     return ["--config", str(config), f"model.hf_path={checkpoint}", f"run.output_dir={out}",
             "run.steps=4", "run.checkpoint_every=2", "run.eval_every=3",
-            "grpo.prompts_per_step=8", "grpo.samples_per_prompt=4"]
+            "grpo.prompts_per_step=8", "grpo.samples_per_prompt=4", *OVERRIDES.get(mode, [])]
 
 
 def rows(out):
@@ -121,7 +124,7 @@ def launched_processes(tag):
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="bitwise on CPU; on GPUs the embedding backward accumulates with atomics")
-@pytest.mark.parametrize("mode", ["colocated", "non_colocated"])
+@pytest.mark.parametrize("mode", list(CONFIGS))
 def test_resume_after_a_kill_in_a_checkpoint_save_is_bit_identical(mode, checkpoint, tmp_path):
     _, nproc = CONFIGS[mode]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
