@@ -19,7 +19,8 @@ source "$(dirname "$0")/steps.sh"
 grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env RUN_DIR (default NAME)
   local name=$1 limit=$2 nproc=$3 config=$4 lr=$5; shift 5
   local dir=${RUN_DIR:-$name}
-  rm -rf "runs/$dir"  # a run directory belongs to one run (a warm machine keeps old ones)
+  # A run directory belongs to one run (a warm machine keeps old ones); --resume continues it.
+  case " $* " in *" --resume "*) ;; *) rm -rf "runs/$dir" ;; esac
   step "$name" "$limit" torchrun --standalone --nproc-per-node "$nproc" \
     recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$dir" \
     policy.optimizer.lr="$lr" policy.optimizer.lr_warmup_steps="$WARMUP" "$@"
