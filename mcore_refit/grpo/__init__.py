@@ -11,6 +11,7 @@ Above the core (model, pipeline, policy, refit, inference), which never imports 
                    from (generate, release, refit, close);
 - ``rollouts.py``  its two backends: engines colocated with the trainer ranks, or dedicated
                    inference ranks of a split job;
+- ``seeds.py``     per-step sampling seeds derived from ``run.seed`` (bit-identical resume);
 - ``metrics.py``   metrics.jsonl, TensorBoard, optional wandb, the resolved config.yaml;
 - ``console.py``   the terminal: one progress bar and a summary line every N steps;
 - ``plot.py``      metrics.png: reward (train/eval), refit time and mult_err per step;

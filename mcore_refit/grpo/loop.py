@@ -29,8 +29,8 @@ from mcore_refit.grpo.metrics import METRICS_FILE, MetricsWriter, read_metrics, 
 from mcore_refit.grpo.plot import PLOT_FILE, plot_metrics
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
-from mcore_refit.grpo.rollouts import derive_seed
 from mcore_refit.grpo.rundir import RunDirectory, RunState
+from mcore_refit.grpo.seeds import derive_seed
 from mcore_refit.grpo.tasks import build_task
 from mcore_refit.policy.worker import Policy
 

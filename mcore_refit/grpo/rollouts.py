@@ -29,7 +29,6 @@ Completions travel between processes and ranks as JSON (``completions_to_json``)
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from mcore_refit.control import ControlError, ControlGroup, Outcome, RankFailure
 from mcore_refit.distributed import DistributedContext, SplitJob
 from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.grpo.seeds import derive_seed
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
 from mcore_refit.inference.process import (
     EngineProcess,
@@ -341,16 +341,6 @@ def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
                              sampling=SamplingConfig.from_json(command["sampling"]),
                              seed=derive_seed(command["seed"], shard))
     return completions_to_json(groups)
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed that depends on every part (the run's seed, the step, the engine's shard).
-
-    Sampling with a seed derived from the step makes a step's rollouts independent of what the
-    engines sampled before it: a resumed run samples what an uninterrupted one would have.
-    """
-    digest = hashlib.sha256("/".join(str(part) for part in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def interleave(shards: Sequence[Sequence[Any]], num_prompts: int) -> list[Any]:
