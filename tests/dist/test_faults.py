@@ -61,7 +61,7 @@ def checkpoint(tmp_path_factory):
                               for row in ROWS])
 def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
         fault, config, nproc, killed, first_line, checkpoint, tmp_path, ipc_dir):
-    run_torchrun(FAULTS, "--fault", fault, "--config", str(config), "--out", str(tmp_path),
+    launch = run_torchrun(FAULTS, "--fault", fault, "--config", str(config), "--out", str(tmp_path),
                  "--job-id", "faults", f"model.hf_path={checkpoint}",
                  f"run.output_dir={tmp_path / 'run'}", "run.steps=3",
                  f"refit.transport.ipc_dir={ipc_dir}", nproc=nproc, timeout_s=540,
@@ -69,12 +69,19 @@ def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
     ended = time.time()
     kill = json.loads((tmp_path / "kill.json").read_text())
     survivors = [rank for rank in range(nproc) if rank != killed]
+    silent = [rank for rank in survivors if not (tmp_path / f"rank{rank}.json").exists()]
+    assert not silent, (f"ranks {silent} never reported (killed while unwinding?)\n"
+                        f"{launch.stderr[-8000:]}")
     reports = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text())
                for rank in survivors}
     timings = {f"rank {rank}": round(report["t"] - kill["t"], 2)
                for rank, report in reports.items()}
     timings["all exited"] = round(ended - kill["t"], 2)
-    print(f"{fault}: seconds from the kill of {kill['what']}: {timings}")
+    unwinding = {rank: " ".join(f"{name} {start - kill['t']:.2f}-{end - kill['t']:.2f}"
+                                for name, start, end in report.get("phases", []))
+                 for rank, report in reports.items()}
+    print(f"{fault}: seconds from the kill of {kill['what']}: {timings}; unwinding: "
+          f"{unwinding}")
     for rank, report in reports.items():
         assert report["error"] is not None and re.match(first_line, report["error"]), (
             rank, report["error"][:2000], report.get("traceback", "")[-6000:])

@@ -12,8 +12,10 @@ process killed by SIGKILL at a chosen moment of the second refit (weight version
   buffer it received.
 
 The killer writes ``DIR/kill.json`` (``{"t": unix time, "pid": ...}``) just before the kill;
-every surviving rank writes ``DIR/rank<global rank>.json`` (``{"t", "error"}``: when it had
-unwound and what it raised, first line first) and exits 1. The test compares the times.
+every surviving rank writes ``DIR/rank<global rank>.json`` (``{"t", "error", "phases"}``: when
+it had unwound, what it raised, first line first, and when its unwinding steps — closing the
+rollouts, tearing down the process groups — began and ended) and exits 1. The test compares the
+times.
 """
 
 import argparse
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_refit import distributed
 from mcore_refit.config import load_config
 from mcore_refit.grpo import job, rollouts
 from mcore_refit.grpo.config import GRPOJobConfig
@@ -33,6 +36,18 @@ from mcore_refit.inference.engine import InferenceEngine
 from mcore_refit.processes import exit_after, root_failure, stop_on_sigterm
 
 VERSION = 1  # the refit the fault strikes: the first one after a training step
+PHASES: list[tuple[str, float, float]] = []  # (step of the unwinding, start, end), unix times
+
+
+def timed(name: str, function):
+    def run(*args, **kwargs):
+        start = time.time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            PHASES.append((name, start, time.time()))
+
+    return run
 
 
 def kill(pid: int, out: Path, what: str) -> None:
@@ -147,6 +162,9 @@ def main() -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = dict(local_rank=int(os.environ["LOCAL_RANK"]),
                  local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+    distributed.shutdown = timed("shutdown", distributed.shutdown)
+    for backend in (rollouts.ColocatedRollouts, rollouts.DedicatedRollouts):
+        backend.close = timed("close", backend.close)
     try:
         with stop_on_sigterm():
             if config.refit.mode == "colocated":
@@ -166,7 +184,7 @@ def main() -> int:
         reported = root_failure(error)  # what the recipe's traceback shows first
         (args.out / f"rank{rank}.json").write_text(json.dumps(
             {"t": time.time(), "error": f"{type(reported).__name__}: {reported}",
-             "traceback": "".join(traceback.format_exception(error))}))
+             "traceback": "".join(traceback.format_exception(error)), "phases": PHASES}))
         raise
     (args.out / f"rank{rank}.json").write_text(json.dumps({"t": time.time(), "error": None}))
     return 0
