@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -163,21 +164,30 @@ def init_model_parallel(parallel: ParallelConfig, *, seed: int) -> ModelParallel
 
 
 def destroy_model_parallel() -> None:
-    """Tear down Megatron's model-parallel groups (torch.distributed stays up)."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    """Tear down Megatron's model-parallel groups (torch.distributed stays up); nothing to do in
+    a process that never imported them (an inference rank: importing Megatron takes seconds)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
 
 
 def shutdown(*, failed: bool = False) -> None:
-    """Tear down Megatron's groups and torch.distributed. Safe to call after a failure: with
-    ``failed`` (a peer may be gone, a group broken) errors of the teardown are logged, not
-    raised, so they never replace the failure being raised."""
+    """Tear down Megatron's groups and torch.distributed.
+
+    After a failure (``failed``: a peer may be gone, a group broken) errors of the teardown are
+    logged, not raised, so they never replace the failure being raised, and NCCL's communicators
+    are left to the process's exit, which a failed rank is on its way to: tearing them down
+    waits on their peers and kernels — on two H200s a destroy took ~8 s after a dead engine, an
+    abort 4.5–17 s, and a destroy never returned once a peer had died mid-collective
+    (``scripts/gpu_faults.sh``) — while the exit itself releases them in a tenth of a second
+    (``scripts/gpu_probe_kill.py``). torch.distributed then stays initialised in this process.
+    """
     if not dist.is_initialized():
         return
     try:
         destroy_model_parallel()
-        dist.destroy_process_group()
+        if not (failed and dist.get_backend() == "nccl"):
+            dist.destroy_process_group()
     except Exception:
         if not failed:
             raise
