@@ -80,6 +80,21 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     return result
 
 
+def receiver_rows(gathered: list[Any], *, mode: str, error: str | None) -> list[dict]:
+    """The inference ranks' telemetry rows from the end-of-mode gather over every rank (trainer
+    ranks send ``[]``). A row of another kind means the ranks fell out of step: some rank left
+    a refit that another was still in. Raised naming the rank, with this rank's own refit error
+    (the likely cause) first."""
+    for rank, row in enumerate(gathered):
+        if not (isinstance(row, list) and all(isinstance(t, dict) for t in row)):
+            cause = f"this rank's refit failed first: {error}" if error else \
+                "this rank's refits all succeeded"
+            raise RuntimeError(
+                f"mode {mode}: rank {rank} of the launch sent {json.dumps(row)[:200]} where its "
+                f"refit telemetry was due, so the ranks fell out of step; {cause}")
+    return [t for row in gathered for t in row]
+
+
 def summarize(results: list[ModeResult], *, source: str, placement: str,
               targets: TargetsConfig, alignment_bytes: int) -> dict[str, Any]:
     """The last JSON line: every mode against the link, and the targets it must meet."""

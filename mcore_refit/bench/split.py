@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_refit.bench.rank import BenchRank
-from mcore_refit.bench.results import ModeResult, progress, transport_result
+from mcore_refit.bench.results import ModeResult, progress, receiver_rows, transport_result
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.control import ControlGroup
 from mcore_refit.distributed import SplitJob
@@ -183,8 +183,9 @@ def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
                 timed.append(telemetry)
             if verify:
                 verified = telemetry.verified is True
-    receivers = bench.control.all_gather_json([], what=f"the receivers' telemetry of {mode}")
-    received = [t for rows in receivers for t in rows]
+    received = receiver_rows(
+        bench.control.all_gather_json([], what=f"the receivers' telemetry of {mode}"),
+        mode=mode, error=error)
     return transport_result(mode, plan, timed, received, verified=verified,
                             device=bench.device_name, error=error)
 

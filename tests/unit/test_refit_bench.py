@@ -14,7 +14,7 @@ from mcore_refit.bench.config import (
     TargetsConfig,
     check_layout,
 )
-from mcore_refit.bench.results import ModeResult, summarize
+from mcore_refit.bench.results import ModeResult, receiver_rows, summarize
 from mcore_refit.config import ConfigError, ParallelConfig, load_config
 from mcore_refit.refit.config import RefitConfig
 
@@ -154,3 +154,19 @@ def test_a_failed_verification_fails_the_summary():
     summary = summarize([result("engine", 1.0, verified=False)], source="tiny",
                         placement="non_colocated", targets=TargetsConfig(), alignment_bytes=256)
     assert summary["all_verified"] is False
+
+
+def test_receiver_rows_out_of_step_name_the_rank_and_this_ranks_refit_error_first():
+    row = {"total_s": 0.1, "peak_extra_bytes": 0}
+    assert receiver_rows([[], [], [row, row]], mode="engine", error=None) == [row, row]
+    # An inference rank still in a refit's outcome exchange while the trainers gather telemetry
+    # (a refit failed on the trainer ranks only): its outcome arrives instead of its rows.
+    outcome = {"ok": True, "value": None, "error": None, "error_type": None, "waited": False}
+    with pytest.raises(RuntimeError, match=r"^mode transport_alone: rank 2 of the launch sent "
+                                           r"\{\"ok\": true.* where its refit telemetry was due, "
+                                           r"so the ranks fell out of step; this rank's refit "
+                                           r"failed first: torch.OutOfMemoryError: CUDA out"):
+        receiver_rows([[], [], outcome], mode="transport_alone",
+                      error="torch.OutOfMemoryError: CUDA out of memory")
+    with pytest.raises(RuntimeError, match="this rank's refits all succeeded$"):
+        receiver_rows([[], ["a"]], mode="engine", error=None)
