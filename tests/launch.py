@@ -77,10 +77,8 @@ def run_torchrun_nodes(script: str | Path, *args: str, num_nodes: int, nproc_per
                                                        err.read()))
     for result in results:
         if result.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(result.args)} exited with {result.returncode} (killed after "
-                f"{timeout_s}s if negative)\n--- stdout ---\n{result.stdout[-10000:]}\n"
-                f"--- stderr ---\n{result.stderr[-10000:]}")
+            raise _failure(result.args, f"exited with {result.returncode} (killed after "
+                                        f"{timeout_s}s if negative)", result.stdout, result.stderr)
     return results
 
 
@@ -97,16 +95,16 @@ def _finish(process: subprocess.Popen, command: list[str], timeout_s: float, *,
     except subprocess.TimeoutExpired:
         process.kill()
         stdout, stderr = process.communicate()
-        raise AssertionError(
-            f"{' '.join(command)} did not finish within {timeout_s}s\n"
-            f"--- stdout ---\n{stdout[-10000:]}\n--- stderr ---\n{stderr[-10000:]}"
-        ) from None
+        raise _failure(command, f"did not finish within {timeout_s}s", stdout, stderr) from None
     if (process.returncode != 0) != expect_failure:
-        raise AssertionError(
-            f"{' '.join(command)} exited with {process.returncode}\n"
-            f"--- stdout ---\n{stdout[-10000:]}\n--- stderr ---\n{stderr[-10000:]}"
-        )
+        raise _failure(command, f"exited with {process.returncode}", stdout, stderr)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _failure(command: list[str], what: str, stdout: str, stderr: str) -> AssertionError:
+    """The error of a launch that went wrong: the command, what happened, its output's tail."""
+    return AssertionError(f"{' '.join(command)} {what}\n--- stdout ---\n{stdout[-10000:]}\n"
+                          f"--- stderr ---\n{stderr[-10000:]}")
 
 
 def last_json_line(stdout: str) -> dict:
