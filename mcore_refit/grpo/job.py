@@ -23,7 +23,6 @@ from mcore_refit.grpo.tasks import build_task
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
-from mcore_refit.refit.export import ModelExport
 
 
 def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> None:
@@ -99,11 +98,12 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
     failed = True
     try:
         policy, pad_token_id = build_trainer(config, context.device)
-        source = weight_source(policy, context.control_group, config, context.device,
-                               peers=context.peers)
+        trainers = trainer_control(context.control_group, config, peers=context.peers)
+        source = policy.weight_source(control=trainers)
         rollouts = ColocatedRollouts(config=config, context=context, source=source,
                                      job_id=job_id)
-        summary = train_and_close(config, policy, rollouts, pad_token_id, context.device, resume)
+        summary = train_and_close(config, policy, rollouts, pad_token_id, context.device,
+                                  trainers, resume)
         failed = False
         return summary
     except BaseException as error:
@@ -133,12 +133,13 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
         # A trainer rank on an inference rank's device hands its buffers over without a link.
         prefer = {trainer for trainer, _ in job.placement.shared}
         peers = job.context.peers
-        source = weight_source(policy, job.context.control_group, config, job.context.device,
-                               prefer=prefer,
-                               peers=peers.among(range(job.num_trainer_ranks)) if peers else None)
+        trainers = trainer_control(
+            job.context.control_group, config,
+            peers=peers.among(range(job.num_trainer_ranks)) if peers else None)
+        source = policy.weight_source(control=trainers, prefer=prefer)
         rollouts = DedicatedRollouts(config=config, job=job, source=source)
         summary = train_and_close(config, policy, rollouts, pad_token_id, job.context.device,
-                                  resume)
+                                  trainers, resume)
         failed = False
         return summary
     except BaseException as error:
@@ -159,20 +160,19 @@ def build_trainer(config: GRPOJobConfig, device: torch.device) -> tuple[Policy, 
     return policy, pad_token_id(tokenizer, where=config.model.hf_path)
 
 
-def weight_source(policy: Policy, control_group: dist.ProcessGroup, config: GRPOJobConfig,
-                  device: torch.device, *, prefer=(), peers: PeerWatch | None = None
-                  ) -> ModelExport:
-    """The refit's source: each trainer rank exports the weights it holds (collective)."""
-    control = ControlGroup(control_group, timeout_s=config.collective_timeout_s,
-                           name="the trainer ranks' control group", peers=peers)
-    return policy.weight_source(control=control, prefer=prefer)
+def trainer_control(group: dist.ProcessGroup, config: GRPOJobConfig, *,
+                    peers: PeerWatch | None = None) -> ControlGroup:
+    """The trainer ranks' host group (``group``: gloo, over the trainer ranks), which the refit's
+    export and the checkpoint saves wait on; with ``peers``, a dead trainer rank is named."""
+    return ControlGroup(group, timeout_s=config.collective_timeout_s,
+                        name="the trainer ranks' control group", peers=peers)
 
 
 def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, pad_token_id: int,
-                    device: torch.device, resume: bool) -> dict:
+                    device: torch.device, trainers: ControlGroup, resume: bool) -> dict:
     """:func:`train`, then close ``rollouts`` (after a failure, without waiting on peers)."""
     try:
-        summary = train(config, policy, rollouts, pad_token_id, device, resume)
+        summary = train(config, policy, rollouts, pad_token_id, device, trainers, resume)
     except BaseException:
         rollouts.close(failed=True)
         raise
@@ -181,6 +181,7 @@ def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, p
 
 
 def train(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, pad_token_id: int,
-          device: torch.device, resume: bool) -> dict:
+          device: torch.device, trainers: ControlGroup, resume: bool) -> dict:
     return run_grpo(config, policy=policy, rollouts=rollouts, pad_token_id=pad_token_id,
-                    device=device, is_logging_rank=dist.get_rank() == 0, resume=resume)
+                    device=device, control=trainers, is_logging_rank=trainers.rank == 0,
+                    resume=resume)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_refit.control import ControlGroup
 from mcore_refit.grpo.batch import build_rollout_batch, with_fields
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.console import Console
@@ -47,11 +48,13 @@ class RunHistory:
 
 
 def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_token_id: int,
-             device: torch.device, is_logging_rank: bool, resume: bool) -> dict:
+             device: torch.device, control: ControlGroup, is_logging_rank: bool,
+             resume: bool) -> dict:
     """Train ``config.run.steps`` GRPO steps; returns the summary (same on every trainer rank).
 
     ``rollouts`` is where completions come from and new weights go: the loop uses nothing of it
-    but the :class:`~mcore_refit.grpo.protocol.Rollouts` calls.
+    but the :class:`~mcore_refit.grpo.protocol.Rollouts` calls. ``control``: the trainer ranks'
+    host group (checkpoint saves wait on it).
     """
     output_dir = Path(config.run.output_dir)
     run_dir = RunDirectory(output_dir)
@@ -147,7 +150,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
         # previous checkpoint and writes this step again, never a checkpoint without its row.
         metrics_writer.log(record)
         if _checkpoint_due(step + 1, config):
-            _save_checkpoint(policy, run_dir, config, step=step + 1)
+            _save_checkpoint(policy, run_dir, config, step=step + 1, control=control)
         console.update(record)
     console.close()
     metrics_writer.close()
@@ -180,12 +183,13 @@ def _checkpoint_due(step: int, config: GRPOJobConfig) -> bool:
 
 
 def _save_checkpoint(policy: Policy, run_dir: RunDirectory, config: GRPOJobConfig, *,
-                     step: int) -> None:
+                     step: int, control: ControlGroup) -> None:
     """Checkpoint ``step``; an offloaded trainer comes back for the save and leaves again."""
     offloaded = policy.offloaded
     if offloaded:
         policy.onload()
-    run_dir.save_checkpoint(policy, step=step, extra={"optimizer": _optimizer_settings(config)})
+    run_dir.save_checkpoint(policy, step=step, extra={"optimizer": _optimizer_settings(config)},
+                            control=control)
     if offloaded:
         policy.offload()
 

@@ -3,7 +3,7 @@
     run_dir = RunDirectory(config.run.output_dir)
     state = run_dir.claim(resume=resume, steps=config.run.steps)   # None for a fresh run
     ...
-    run_dir.save_checkpoint(policy, step=step, extra=...)          # collective
+    run_dir.save_checkpoint(policy, step=step, extra=..., control=trainers)  # collective
 
 Layout::
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+from mcore_refit.control import ControlGroup
 
 STATE_FILE = "trainer_state.json"
 METRICS_FILE = "metrics.jsonl"
@@ -126,18 +126,21 @@ class RunDirectory:
         for partial in self.path.glob(f"{CHECKPOINTS_DIR}/*{PARTIAL_SUFFIX}"):
             shutil.rmtree(partial)
 
-    def save_checkpoint(self, policy, *, step: int, extra: dict[str, Any]) -> Path:
+    def save_checkpoint(self, policy, *, step: int, extra: dict[str, Any],
+                        control: ControlGroup) -> Path:
         """Save ``policy`` as the checkpoint of ``step`` and record it as the latest.
 
-        Collective over the trainer ranks (call on every one). The state file changes only
-        after every rank has written its shards and the directory has its final name.
+        Collective over the trainer ranks, whose host group ``control`` is (its rank 0 renames
+        and records). The state file changes only after every rank has written its shards and
+        the directory has its final name. The ranks wait for each other on ``control``, so a
+        rank that dies during the save is named on the others within its liveness interval.
         """
         final = self.path / CHECKPOINTS_DIR / f"step_{step:06d}"
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        is_writer = dist.get_rank() == 0
+        is_writer = control.rank == 0
         if is_writer and partial.exists():
             shutil.rmtree(partial)
-        dist.barrier()
+        control.barrier(what=f"every trainer rank before the checkpoint of step {step}")
         policy.save_checkpoint(partial)
         if is_writer:
             if final.exists():
@@ -145,7 +148,7 @@ class RunDirectory:
             os.replace(partial, final)
             state = {"step": step, "checkpoint": str(final.relative_to(self.path)), **extra}
             _replace_text(self.state_file, json.dumps(state))
-        dist.barrier()
+        control.barrier(what=f"the checkpoint of step {step} recorded")
         return final
 
     def _run_files(self) -> list[str]:

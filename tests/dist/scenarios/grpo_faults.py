@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mcore_refit import distributed
 from mcore_refit.config import load_config
 from mcore_refit.grpo.config import GRPOJobConfig
-from mcore_refit.grpo.job import build_trainer, train, weight_source
+from mcore_refit.grpo.job import build_trainer, train, trainer_control
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 from mcore_refit.refit.telemetry import RefitTelemetry
 
@@ -148,11 +148,13 @@ def run_colocated(args, config, *, rank: int, world_size: int, local_rank: int) 
     raised = None
     try:
         policy, pad_token_id = build_trainer(config, context.device)
-        source = weight_source(policy, context.control_group, config, context.device)
-        rollouts = _rollouts(args, config=config, context=context, source=source,
+        trainers = trainer_control(context.control_group, config)
+        rollouts = _rollouts(args, config=config, context=context,
+                             source=policy.weight_source(control=trainers),
                              job_id=f"faults-{os.getpid()}")
         try:
-            summary = train(config, policy, rollouts, pad_token_id, context.device, False)
+            summary = train(config, policy, rollouts, pad_token_id, context.device, trainers,
+                            False)
         finally:
             rollouts.close()
     except Exception as error:
@@ -179,10 +181,12 @@ def run_non_colocated(args, config, *, rank: int, world_size: int, local_rank: i
             serve_inference(config=config, job=job)
             return
         policy, pad_token_id = build_trainer(config, job.context.device)
-        source = weight_source(policy, job.context.control_group, config, job.context.device)
-        rollouts = MisnamingRollouts(config=config, job=job, source=source, weight_version=1)
+        trainers = trainer_control(job.context.control_group, config)
+        rollouts = MisnamingRollouts(config=config, job=job,
+                                     source=policy.weight_source(control=trainers),
+                                     weight_version=1)
         try:
-            train(config, policy, rollouts, pad_token_id, job.context.device, False)
+            train(config, policy, rollouts, pad_token_id, job.context.device, trainers, False)
         finally:
             rollouts.close()
     except Exception as error:
