@@ -178,7 +178,7 @@ def shutdown(*, failed: bool = False) -> None:
     logged, not raised, so they never replace the failure being raised, and NCCL's communicators
     are left to the process's exit, which a failed rank is on its way to: tearing them down
     waits on their peers and kernels — on two H200s a destroy took ~8 s after a dead engine, an
-    abort 4.5–17 s, and a destroy never returned once a peer had died mid-collective
+    abort 17 s, and a destroy never returned once a peer had died mid-collective
     (``scripts/gpu_faults.sh``) — while the exit itself releases them in a tenth of a second
     (``scripts/gpu_probe_kill.py``). torch.distributed then stays initialised in this process.
     """
