@@ -183,5 +183,4 @@ def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, p
 def train(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, pad_token_id: int,
           device: torch.device, trainers: ControlGroup, resume: bool) -> dict:
     return run_grpo(config, policy=policy, rollouts=rollouts, pad_token_id=pad_token_id,
-                    device=device, control=trainers, is_logging_rank=trainers.rank == 0,
-                    resume=resume)
+                    device=device, control=trainers, resume=resume)

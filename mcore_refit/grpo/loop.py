@@ -48,14 +48,14 @@ class RunHistory:
 
 
 def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_token_id: int,
-             device: torch.device, control: ControlGroup, is_logging_rank: bool,
-             resume: bool) -> dict:
+             device: torch.device, control: ControlGroup, resume: bool) -> dict:
     """Train ``config.run.steps`` GRPO steps; returns the summary (same on every trainer rank).
 
     ``rollouts`` is where completions come from and new weights go: the loop uses nothing of it
     but the :class:`~mcore_refit.grpo.protocol.Rollouts` calls. ``control``: the trainer ranks'
-    host group (checkpoint saves wait on it).
+    host group (checkpoint saves wait on it); its rank 0 writes the metrics and the console.
     """
+    is_logging_rank = control.rank == 0
     output_dir = Path(config.run.output_dir)
     run_dir = RunDirectory(output_dir)
     state = run_dir.claim(resume=resume, steps=config.run.steps)

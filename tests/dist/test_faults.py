@@ -61,11 +61,11 @@ def checkpoint(tmp_path_factory):
                               for row in ROWS])
 def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
         fault, config, nproc, killed, first_line, checkpoint, tmp_path, ipc_dir):
-    launch = run_torchrun(FAULTS, "--fault", fault, "--config", str(config), "--out", str(tmp_path),
-                 "--job-id", "faults", f"model.hf_path={checkpoint}",
-                 f"run.output_dir={tmp_path / 'run'}", "run.steps=3",
-                 f"refit.transport.ipc_dir={ipc_dir}", nproc=nproc, timeout_s=540,
-                 expect_failure=True)
+    launch = run_torchrun(FAULTS, "--fault", fault, "--config", str(config),
+                          "--out", str(tmp_path), "--job-id", "faults",
+                          f"model.hf_path={checkpoint}", f"run.output_dir={tmp_path / 'run'}",
+                          "run.steps=3", f"refit.transport.ipc_dir={ipc_dir}", nproc=nproc,
+                          timeout_s=540, expect_failure=True)
     ended = time.time()
     kill = json.loads((tmp_path / "kill.json").read_text())
     survivors = [rank for rank in range(nproc) if rank != killed]
