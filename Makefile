@@ -15,11 +15,12 @@ DEMO_DIR := .demo
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-vllm.txt requirements-nodeps.txt \
+  constraints.txt pyproject.toml
 	@python=$$(scripts/find_python312.sh) && echo "using $$python" && \
 	  { [ -x $(BIN)/python ] || "$$python" -m venv $(VENV); }
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt \
-	  -r requirements-dev.txt -c constraints.txt
+	  -r requirements-dev.txt -r requirements-vllm.txt -c constraints.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
