@@ -17,7 +17,7 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-vllm.txt requirements-nodeps.txt \
   constraints.txt pyproject.toml
-	@python=$$(scripts/find_python312.sh) && echo "using $$python" && \
+	@python=$$(tools/find_python312.sh) && echo "using $$python" && \
 	  { [ -x $(BIN)/python ] || "$$python" -m venv $(VENV); }
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt \
 	  -r requirements-dev.txt -r requirements-vllm.txt -c constraints.txt
@@ -35,7 +35,7 @@ demo: venv
 	  --config configs/grpo_tiny_cpu_colocated.yaml run.output_dir=$(DEMO_DIR)/run
 
 lint: venv
-	$(BIN)/ruff check mcore_refit recipes tests
+	$(BIN)/ruff check mcore_refit recipes tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR)

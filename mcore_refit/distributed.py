@@ -179,8 +179,9 @@ def shutdown(*, failed: bool = False) -> None:
     are left to the process's exit, which a failed rank is on its way to: tearing them down
     waits on their peers and kernels — on two H200s a destroy took ~8 s after a dead engine, an
     abort 17 s, and a destroy never returned once a peer had died mid-collective
-    (``scripts/gpu_faults.sh``) — while the exit itself releases them in a tenth of a second
-    (``scripts/gpu_probe_kill.py``). torch.distributed then stays initialised in this process.
+    (``benchmarks/faults.sh``) — while the exit itself releases them: a SIGKILLed CUDA process
+    (1 or 40 GiB allocated, a peer's tensor mapped over CUDA IPC, idle or busy) was a zombie
+    within 2.4 ms and reaped within 0.11 s. torch.distributed then stays initialised here.
     """
     if not dist.is_initialized():
         return

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# On a 2-GPU node (nvidia-h200-x2), after `source scripts/device_env.sh` (carry .whl), nothing
-# else running on the GPUs: run directories and resume on CUDA with the tiny Llama, colocated,
-# 2 ranks at PP2 x VPP2 (one GPU and engine each), once as configured and once with the trainer
+# Needs 2 GPUs, nothing else running on them: run directories and resume on CUDA with the tiny
+# Llama, colocated, 2 ranks at PP2 x VPP2 (one GPU and engine each), once as configured and once with the trainer
 # offloaded to the host while the engines generate (inference.offload_trainer=true: every
 # checkpoint save brings it back to the GPU first):
 #   1. 4 steps with a checkpoint every 2; the same directory again without --resume must be
@@ -10,14 +9,13 @@
 #      checkpoints/step_000006 (relative);
 #   3. the policy's checkpoint resume test on 2 GPUs (tests/gpu/test_policy_gpu.py -k resume;
 #      checkpoints are saved through compat.in_process_write_results).
-# Results under ${OUT:-.}/resume: rc.txt, errors.txt, check.txt (expected per variant: "<variant>:
+# Results under $OUT/resume: rc.txt, errors.txt, check.txt (expected per variant: "<variant>:
 # steps [1, 2, 3, 4, 5, 6] checkpoint checkpoints/step_000006 refused True").
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-D=${OUT:-.}/resume; mkdir -p "$D"; export PYTHONUNBUFFERED=1
 BUDGET_S=${BUDGET_S:-540}
-source "$(dirname "$0")/steps.sh"
-# A warm machine keeps earlier calls' files: checkpoints and run directories are made afresh.
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/resume; mkdir -p "$D"
+# Checkpoints and run directories are made afresh (an earlier run's would be refused).
 rm -rf /tmp/resume-tiny runs/gpu_resume_*
 python3 recipes/make_tiny_model.py /tmp/resume-tiny --layers 8 > /dev/null || exit 1
 grpo() {  # grpo VARIANT NAME [args]

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Refit at every Megatron layout on 2 GPUs (nvidia-h200-x2), after `source scripts/device_env.sh`:
-# the refit GPU tests, then the Megatron Llama-3-8B preset (random bf16 weights) refitted at
+# Refit at every Megatron layout; needs 2 GPUs with NVLink (one for RUNS=colocated_tp1): the
+# refit GPU tests, then the Megatron Llama-3-8B preset (random bf16 weights) refitted at
 # TP1/PP1 (2 ranks) and at PP2, PP2xVPP2 and TP2 (3 ranks: 2 trainer ranks, 1 inference rank on
 # GPU1 beside trainer rank 1), the export paths with the trainer ranks alone, and colocated TP1.
 # RUNS="alone_tp1 alone_tp2" runs those rows only (the GPU tests run when RUNS is unset).
-# Results under ${OUT:-.}/layouts: bench.jsonl (every line), summaries.jsonl, rc.txt, errors.txt.
+# Results under $OUT/layouts: bench.jsonl (every line), summaries.jsonl, rc.txt, errors.txt.
 set -u
-D=${OUT:-.}/layouts; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET_S=${BUDGET_S:-585}
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/layouts; mkdir -p "$D"
 port=29750
 
 bench() {  # bench NAME LIMIT NPROC [overrides...]

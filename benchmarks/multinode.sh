@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200-x2 (or nvidia-h100-x2), after `source scripts/device_env.sh`
-# (carry .whl): GRPO as a two-node job on one host. Two torchrun agents (--nnodes 2
+# Needs 2 GPUs of one host: GRPO as a two-node job on one host. Two torchrun agents (--nnodes 2
 # --node-rank 0|1) meet at one rendezvous endpoint, each seeing one GPU (CUDA_VISIBLE_DEVICES),
 # so every rank has LOCAL_RANK 0 and picks its GPU on its own "node":
 #   1. colocated: the tiny Llama at PP2 x VPP2, one trainer rank and its engine per node;
 #   2. non-colocated: the ~0.5B config at PP1, trainer rank on node 0, inference rank on node 1;
 #      refits go over NCCL between the agents.
 # Both with run.verify_refit (the engines' weights checked against the trainer's every step).
-# Results under ${OUT:-.}/multinode: rc.txt, errors.txt, summaries.jsonl (node 0's last lines).
+# Results under $OUT/multinode: rc.txt, errors.txt, summaries.jsonl (node 0's last lines).
 set -u
-D=${OUT:-.}/multinode; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEPS=${STEPS:-20} BUDGET_S=${BUDGET_S:-570}
 # A dry run on CPU: MODEL=/tmp/mn-model TINY=/tmp/mn-tiny MODEL_ARGS="--layers 2" STEPS=1
 MODEL=${MODEL:-/tmp/llama-0.5b} TINY=${TINY:-/tmp/tiny-llama}
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/multinode; mkdir -p "$D"
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 

@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# On a 4-GPU node (nvidia-h200-x4), after `source scripts/device_env.sh` (carry .whl):
+# Needs 4 GPUs of one host:
 #   (a) the export verifier at TP2 x PP2 x VPP2, fp32 and bf16 (tiny Llama; a medium one last);
 #   (b) policy parity TP2 x PP2 x VPP2 vs TP1 x PP1 (and vs TP2) over 3 optimizer steps,
 #       tests/gpu/test_policy_x4_gpu.py (FIGURES lines);
 #   (c) the refit bench, non-colocated: 2 trainer ranks (Llama-3-8B preset, random weights, TP2,
 #       bf16) -> 2 inference ranks, every mode, verified.
 # Every step runs under its own timeout, cut to what is left of a 9-minute budget. Results under
-# ${OUT:-.}/x4: verify_export.jsonl, policy_x4.txt, bench_x4.jsonl, rc.txt (one line per step:
+# $OUT/x4: verify_export.jsonl, policy_x4.txt, bench_x4.jsonl, rc.txt (one line per step:
 # exit code, seconds), errors.txt.
 set -u
-D=${OUT:-.}/x4; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-# NVLink multicast stays off (the machine's own settings; repeated for any child environment).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET_S=540; port=29840; M=/tmp/x4_models
-
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/x4; mkdir -p "$D"
 
 verify() {  # verify MODEL DTYPE LIMIT: one JSON line per run in verify_export.jsonl
   local name=verify_$1_$2

@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# On a 2-GPU node (nvidia-h200-x2), after `source scripts/device_env.sh` (carry .whl), nothing else
-# running on the GPUs (colocated trainers own their device):
+# Needs 2 GPUs, nothing else running on them (colocated trainers own their device):
 #   1. GRPO colocated with 2 trainer ranks (tiny Llama, PP2 x VPP2), one engine per GPU;
 #   2. the GRPO failure tests on NCCL (an engine killed before a refit, a failed connect, a
 #      corrupted tensor, an aborted broadcast refit): every rank must raise the same error;
 #   3. the refit GPU tests (NCCL broadcast GPU0 -> GPU1, colocated CUDA IPC);
 #   4. GRPO colocated, 1 rank, the ~0.5B config for 20 steps.
-# Results under ${OUT:-.}/colocated: rc.txt, errors.txt, summaries.jsonl, fault_tests.txt.
+# Results under $OUT/colocated: rc.txt, errors.txt, summaries.jsonl, fault_tests.txt.
 set -u
-D=${OUT:-.}/colocated; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET_S=${BUDGET_S:-580}
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/colocated; mkdir -p "$D"
 
-# A warm machine keeps earlier calls' files: checkpoints and run directories are made afresh.
+# Checkpoints and run directories are made afresh (an earlier run's would be refused).
 rm -rf /tmp/tiny-llama /tmp/llama-0.5b runs/colocated_2_ranks runs/colocated_1_rank
 python3 recipes/make_tiny_model.py /tmp/tiny-llama --layers 8 > /dev/null || exit 1
 python3 recipes/make_tiny_model.py /tmp/llama-0.5b --layers 24 --hidden-size 1536 --heads 12 \

@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# The refit engine on synthetic sets on 2 GPUs (nvidia-h200-x2), after
-# `source scripts/device_env.sh`: non-colocated (GPU0 -> GPU1) and colocated (an engine process
+# The refit engine on synthetic sets; needs 2 GPUs with NVLink (one for PLACEMENT=colocated):
+# non-colocated (GPU0 -> GPU1) and colocated (an engine process
 # on the trainer's GPU; slots, and the engine reading the trainer's tensors in place), dense 8B
 # and MoE 30B-A3B shapes, each against the link (the 1 GB broadcast, or the device-to-device
 # copy) measured in the same run.
 # PLACEMENT=colocated or non_colocated runs those rows only (colocated needs one GPU).
-# Results under ${OUT:-.}/refit: bench.jsonl, summaries.jsonl, rc.txt, errors.txt.
+# Results under $OUT/refit: bench.jsonl, summaries.jsonl, rc.txt, errors.txt.
 set -u
-D=${OUT:-.}/refit; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUDGET_S=${BUDGET_S:-585}
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/refit; mkdir -p "$D"
 port=29730
 
 bench() {  # bench NAME LIMIT NPROC [overrides...]

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The export verifier on 2 GPUs: TP2, PP2, PP2xVPP2 in fp32 and bf16, on a tiny and a medium model;
-# then a tiny and a medium Qwen3-MoE (8 / 32 experts) at EP2, PP2, PP2xVPP2 in fp32 (bf16 rounding
-# can flip a token's top-k expert choice, which is not a conversion error). MoE with TP2 needs
-# sequence parallelism, which needs transformer-engine.
-# Writes one JSON line per run to ${OUT:-.}/verify_export.jsonl.
+# The export verifier; needs 2 GPUs. A tiny and a medium Qwen3-MoE (8 / 32 experts) at EP2, PP2
+# and PP2xVPP2 in fp32 (bf16 rounding can flip a token's top-k expert choice, which is not a
+# conversion error; MoE with TP2 needs sequence parallelism, which needs transformer-engine); then
+# a tiny and a medium Llama at TP2, PP2 and PP2xVPP2 in fp32 and bf16.
+# Writes one JSON line per run to $OUT/verify_export.jsonl; exits 1 if any run failed.
 set -u
-out=${OUT:-.}/verify_export.jsonl
-rm -rf /tmp/vx  # make_tiny_model refuses a non-empty directory (a warm machine keeps old ones)
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+out=$OUT/verify_export.jsonl
+rm -rf /tmp/vx  # make_tiny_model refuses a non-empty directory (an earlier run's)
 python3 recipes/make_tiny_model.py /tmp/vx/tiny --layers 8 > /dev/null
 python3 recipes/make_tiny_model.py /tmp/vx/medium --layers 8 --hidden-size 1024 --heads 16 \
   --kv-heads 8 --vocab-size 32000 > /dev/null

@@ -1,25 +1,22 @@
 #!/usr/bin/env bash
-# On a 2-GPU node (nvidia-h200-x2), after `source scripts/device_env.sh` (carry .whl): GRPO on the
-# ~0.5B Llama-shaped model.
+# Needs 2 GPUs: GRPO on the ~0.5B Llama-shaped model.
 #   1. Colocated, one GPU each, two learning rates side by side (GPU 0: LR_A, GPU 1: LR_B).
 #   2. Non-colocated PP2 x VPP2 (3 processes on the 2 GPUs) at the learning rate whose colocated
 #      run ended with the higher mean reward over its last 20 steps.
 #   3. With what is left of the budget: 10 more non-colocated steps with --resume.
-# Results under ${OUT:-.}/grpo: <run>_metrics.jsonl, summaries.jsonl (the recipes' last lines),
+# Results under $OUT/grpo: <run>_metrics.jsonl, summaries.jsonl (the recipes' last lines),
 # rc.txt (exit code and seconds per step), errors.txt.
 set -u
-D=${OUT:-.}/grpo; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LR_A=${LR_A:-0.00003} LR_B=${LR_B:-0.0001} STEPS=${STEPS:-150} WARMUP=${WARMUP:-10}
 BUDGET_S=${BUDGET_S:-570}
 MODEL=/tmp/llama-0.5b
-
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/grpo; mkdir -p "$D"
 
 grpo() {  # grpo NAME LIMIT NPROC CONFIG LR [extra args]; env RUN_DIR (default NAME)
   local name=$1 limit=$2 nproc=$3 config=$4 lr=$5; shift 5
   local dir=${RUN_DIR:-$name}
-  # A run directory belongs to one run (a warm machine keeps old ones); --resume continues it.
+  # A run directory belongs to one run (an earlier sweep's is removed); --resume continues it.
   case " $* " in *" --resume "*) ;; *) rm -rf "runs/$dir" ;; esac
   step "$name" "$limit" torchrun --standalone --nproc-per-node "$nproc" \
     recipes/grpo.py --config "$config" run.steps="$STEPS" run.output_dir="runs/$dir" \

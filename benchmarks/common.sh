@@ -1,7 +1,16 @@
-# Sourced by the GPU scripts: `step NAME LIMIT COMMAND...` runs COMMAND under `timeout`, its limit
-# cut to what is left of BUDGET_S (seconds since the script started), with stdout/stderr in
-# /tmp/NAME.{out,err}; appends "rc=<code> NAME <seconds>" to $D/rc.txt and the error lines of its
-# stderr to $D/errors.txt. A step with under 20 s of budget left is skipped (rc=skipped).
+# Sourced by every sweep in benchmarks/ (bash). It
+#   - makes OUT (default: the directory the sweep was started from) absolute and changes to the
+#     repository root, so the sweep runs from anywhere and its recipes/ and configs/ paths hold;
+#   - keeps NVLink SHARP / multicast off, as in every measured run (the figures assume it);
+#   - defines `step`, `last_json` and `summarize` below.
+OUT=$(realpath -m "${OUT:-.}")
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# step NAME LIMIT COMMAND...: runs COMMAND under `timeout`, its limit cut to what is left of
+# BUDGET_S (seconds since the sweep started), with stdout/stderr in /tmp/NAME.{out,err}; appends
+# "rc=<code> NAME <seconds>" to $D/rc.txt and the error lines of its stderr to $D/errors.txt. A
+# step with under 20 s of budget left is skipped (rc=skipped).
 step() {
   local name=$1 limit=$2; shift 2
   local left=$((BUDGET_S - SECONDS)) start=$SECONDS

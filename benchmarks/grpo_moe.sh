@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# On a 2-GPU node (nvidia-h200-x2), after `source scripts/device_env.sh` (carry .whl): GRPO with a
-# ~1.3B-total Qwen3-MoE-shaped policy at expert parallelism 2, colocated (each rank trains on its
-# GPU and refits its own engine there), configs/grpo_gpu_colocated_moe.yaml. STEPS (default 100).
-# Results under ${OUT:-.}/grpo_moe: moe_metrics.jsonl, summaries.jsonl (the recipe's last line:
+# Needs 2 GPUs: GRPO with a ~1.3B-total Qwen3-MoE-shaped policy at expert parallelism 2,
+# colocated (each rank trains on its GPU and refits its own engine there),
+# configs/grpo_gpu_colocated_moe.yaml. STEPS (default 100).
+# Results under $OUT/grpo_moe: moe_metrics.jsonl, summaries.jsonl (the recipe's last line:
 # reward_first/reward_last, logprob_mult_err_max), rc.txt, errors.txt, and the mean reward over
 # the first and last 10 steps in rc.txt.
 set -u
-D=${OUT:-.}/grpo_moe; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEPS=${STEPS:-100} BUDGET_S=${BUDGET_S:-580}
 MODEL=/tmp/qwen3-moe-1b
-source "$(dirname "$0")/steps.sh"
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/grpo_moe; mkdir -p "$D"
 
-# A warm machine keeps earlier calls' files: the checkpoint and run directory are made afresh.
+# The checkpoint and run directory are made afresh (an earlier run's would be refused).
 rm -rf "$MODEL" runs/grpo_moe
 # MODEL_ARGS: a smaller model for a dry run on CPU.
 python3 recipes/make_tiny_model.py "$MODEL" --arch qwen3_moe \
