@@ -18,9 +18,9 @@ from tests.launch import REPO_ROOT, run_torchrun
 FAULTS = REPO_ROOT / "tests" / "dist" / "scenarios" / "faults.py"
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
 NON_COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_non_colocated.yaml"
-# From the kill to every surviving rank's report (the bound), and to the end of the
+# From the kill to every surviving rank's report (the bound this test asserts), and to the end of the
 # launch: every rank exited, then torchrun's own teardown, which takes up to ~10 s more on a
-# loaded 2-core machine (the README lists measured figures).
+# loaded 2-core machine (docs/benchmarks.md lists measured figures).
 BOUND_S = 15.0
 EXIT_BOUND_S = 25.0
 

@@ -1,4 +1,4 @@
-"""Recipes launched wrongly fail at once with an error that says what to do (issue 15 item 8)."""
+"""Recipes launched wrongly fail at once with an error that says what to do."""
 
 import subprocess
 import sys

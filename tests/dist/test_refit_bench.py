@@ -85,7 +85,7 @@ def test_colocated_synthetic_set_unpacked_and_packed(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_megatron_pp2_two_sources_to_one_inference_rank():
-    """The issue's 3-rank placement: two pipeline stages send their own tensors."""
+    """The 3-rank placement: two pipeline stages send their own tensors."""
     modes, summary = bench("bench.source=megatron", "bench.num_trainer_ranks=2",
                            "megatron.parallel.pipeline=2",
                            "bench.modes=[engine, export_alone, transport_alone, bridge_export, "

@@ -1,5 +1,5 @@
 """Launch checks that run before the slow start-up: torchrun's variables, the launch's size
-against the config, local files (issue 15 items 8 and 9)."""
+against the config, local files."""
 
 import json
 

@@ -1,5 +1,4 @@
-"""The tiny-checkpoint writer refuses to overwrite a directory and nonsense sizes (issue 15
-item 2)."""
+"""The tiny-checkpoint writer refuses to overwrite a directory and nonsense sizes."""
 
 import subprocess
 import sys

@@ -1,5 +1,5 @@
 """The run directory: one run per directory, state read back with errors naming the file,
-metrics truncated on resume (issue 15 items 3, 4, 5, 8)."""
+metrics truncated on resume."""
 
 import json
 import shutil
