@@ -1,4 +1,4 @@
-"""The fault table (README, "Faults"): a process of a GRPO job is SIGKILLed at a chosen moment,
+"""The fault table (docs/grpo.md, "Faults"): a process of a GRPO job is SIGKILLed at a chosen moment,
 with the default config; every surviving rank must report the dead process first within 15 s
 and the whole launch must have ended soon after. Each row prints its measured times."""
 
