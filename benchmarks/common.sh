@@ -2,10 +2,11 @@
 #   - makes OUT (default: the directory the sweep was started from) absolute and changes to the
 #     repository root, so the sweep runs from anywhere and its recipes/ and configs/ paths hold;
 #   - keeps NVLink SHARP / multicast off, as in every measured run (the figures assume it);
-#   - defines `step`, `last_json` and `summarize` below.
+#   - defines `step`, `last_json`, `summarize` and `refit_bench` below.
 OUT=$(realpath -m "${OUT:-.}")
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # step NAME LIMIT COMMAND...: runs COMMAND under `timeout`, its limit cut to what is left of
 # BUDGET_S (seconds since the sweep started), with stdout/stderr in /tmp/NAME.{out,err}; appends
@@ -35,3 +36,17 @@ last_json() {
 
 # summarize NAME: append {"run": NAME, "summary": <last_json NAME>} to $D/summaries.jsonl.
 summarize() { echo "{\"run\": \"$1\", \"summary\": $(last_json "$1")}" >> "$D/summaries.jsonl"; }
+
+# refit_bench NAME LIMIT NPROC [overrides...]: a step running recipes/refit_bench.py on NPROC
+# ranks, on the port after $port, with --config $CONFIG (default configs/refit_bench.yaml), its
+# JSON lines appended to $D/bench.jsonl and its summary to $D/summaries.jsonl. With RUNS set, only
+# the names RUNS lists run.
+refit_bench() {
+  local name=$1 limit=$2 nproc=$3; shift 3
+  [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $name "* ]] || return 0
+  port=$((port + 1))
+  step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
+    --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py \
+    --config "${CONFIG:-configs/refit_bench.yaml}" bench.output="$D/bench.jsonl" "$@"
+  summarize "$name"
+}

@@ -3,7 +3,8 @@
 # CUDA — an engine killed before, during and after a refit (colocated, one trainer rank per GPU,
 # CUDA IPC); a trainer rank killed mid-export and an inference rank killed mid-broadcast
 # (non-colocated: 2 trainer ranks and an inference rank sharing GPU 1, so trainer rank 0
-# broadcasts over NCCL). Each row prints "<fault>: seconds from the kill of ...: {rank r: ..., all exited: ...}".
+# broadcasts over NCCL). Each row prints
+# "<fault>: seconds from the kill of ...: {rank r: ..., all exited: ...}".
 # Results under $OUT/faults: rc.txt, errors.txt, timings.txt (the rows' lines + pytest's tally).
 set -u
 BUDGET_S=${BUDGET_S:-570}

@@ -15,7 +15,8 @@ D=$OUT/grpo_moe; mkdir -p "$D"
 rm -rf "$MODEL" runs/grpo_moe
 # MODEL_ARGS: a smaller model for a dry run on CPU.
 python3 recipes/make_tiny_model.py "$MODEL" --arch qwen3_moe \
-  ${MODEL_ARGS:---layers 24 --hidden-size 1024 --heads 16 --kv-heads 4 --experts 32 --experts-per-token 4} \
+  ${MODEL_ARGS:---layers 24 --hidden-size 1024 --heads 16 --kv-heads 4 --experts 32 \
+  --experts-per-token 4} \
   > /dev/null || exit 1
 step moe 540 torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
   --config configs/grpo_gpu_colocated_moe.yaml run.steps="$STEPS" run.output_dir=runs/grpo_moe

@@ -14,7 +14,10 @@ MODEL=${MODEL:-/tmp/llama-0.5b} TINY=${TINY:-/tmp/tiny-llama}
 source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
 D=$OUT/multinode; mkdir -p "$D"
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])'
+}
 
 two_nodes() {  # two_nodes NAME LIMIT SCRIPT ARGS...: node 1 in the background, node 0 as the step
   local name=$1 limit=$2 port; shift 2
@@ -27,7 +30,8 @@ two_nodes() {  # two_nodes NAME LIMIT SCRIPT ARGS...: node 1 in the background, 
   wait "$node1"
   local rc=$?
   echo "rc=$rc ${name}_node1" >> "$D/rc.txt"
-  [ "$rc" = 0 ] || { echo "== ${name}_node1"; tail -n 25 "/tmp/${name}_node1.err"; } >> "$D/errors.txt"
+  [ "$rc" = 0 ] \
+    || { echo "== ${name}_node1"; tail -n 25 "/tmp/${name}_node1.err"; } >> "$D/errors.txt"
   summarize "$name"
 }
 

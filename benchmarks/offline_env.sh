@@ -8,4 +8,6 @@ site=${MCORE_REFIT_SITE:-/tmp/mcore_refit_site}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-python3 -c 'import torch, transformers, megatron.core; print("torch", torch.__version__, "transformers", transformers.__version__, "mcore", megatron.core.__version__, "gpus", torch.cuda.device_count())'
+python3 -c 'import torch, transformers, megatron.core
+print("torch", torch.__version__, "transformers", transformers.__version__,
+      "mcore", megatron.core.__version__, "gpus", torch.cuda.device_count())'

@@ -12,25 +12,18 @@ source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, ste
 D=$OUT/refit; mkdir -p "$D"
 port=29730
 
-bench() {  # bench NAME LIMIT NPROC [overrides...]
-  local name=$1 limit=$2 nproc=$3; shift 3; port=$((port + 1))
-  step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
-    --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py \
-    --config configs/refit_bench.yaml bench.output="$D/bench.jsonl" "$@"
-  summarize "$name"
-}
-
 if [ "${PLACEMENT:-non_colocated}" = non_colocated ]; then
-  bench dense 60 2 bench.source=dense_8b
-  bench moe 90 2 bench.source=moe_30b_a3b
+  refit_bench dense 60 2 bench.source=dense_8b
+  refit_bench moe 90 2 bench.source=moe_30b_a3b
 fi
 [ "${PLACEMENT:-colocated}" = colocated ] || { cat "$D/rc.txt"; exit 0; }
 COLOCATED='raw_link,single_buffer,engine,shared_weights,export_alone,transport_alone'
-bench colocated_dense 80 1 refit.mode=colocated bench.source=dense_8b "bench.modes=[naive,$COLOCATED]"
+refit_bench colocated_dense 80 1 refit.mode=colocated bench.source=dense_8b \
+  "bench.modes=[naive,$COLOCATED]"
 # MoE without naive and single_buffer (18,867 one-tensor messages, or unoverlapped packs, take
 # longer than the rest of the run), and the slot-free path in a call of its own.
-bench colocated_moe 200 1 refit.mode=colocated bench.source=moe_30b_a3b \
+refit_bench colocated_moe 200 1 refit.mode=colocated bench.source=moe_30b_a3b \
   'bench.modes=[raw_link,engine,export_alone,transport_alone]'
-bench colocated_moe_shared 100 1 refit.mode=colocated bench.source=moe_30b_a3b \
+refit_bench colocated_moe_shared 100 1 refit.mode=colocated bench.source=moe_30b_a3b \
   'bench.modes=[raw_link,shared_weights]'
 cat "$D/rc.txt"; echo "total ${SECONDS}s"

@@ -11,13 +11,9 @@ source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, ste
 D=$OUT/layouts; mkdir -p "$D"
 port=29750
 
-bench() {  # bench NAME LIMIT NPROC [overrides...]
-  local name=$1 limit=$2 nproc=$3; shift 3; port=$((port + 1))
-  [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $name "* ]] || return 0
-  step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
-    --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py \
-    --config "$CONFIG" bench.source=megatron bench.output="$D/bench.jsonl" "$@"
-  summarize "$name"
+bench() {  # bench NAME LIMIT NPROC [overrides...]: the Megatron Llama-3-8B preset
+  local name=$1 limit=$2 nproc=$3; shift 3
+  refit_bench "$name" "$limit" "$nproc" bench.source=megatron "$@"
 }
 
 CONFIG=${CONFIG:-configs/refit_bench.yaml}  # CONFIG=configs/refit_bench_cpu.yaml: a dry run on CPU

@@ -24,14 +24,10 @@ big = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_me
 print(48 if big else 24)')}
 echo "preset $PRESET at $LAYERS layers" >> "$D/rc.txt"
 
-bench() {  # bench NAME LIMIT NPROC [overrides...]
-  local name=$1 limit=$2 nproc=$3; shift 3; port=$((port + 1))
-  [[ " $RUNS " == *" $name "* ]] || return 0
-  step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
-    --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py \
-    --config "$CONFIG" bench.source=megatron bench.output="$D/bench.jsonl" \
-    megatron.preset="$PRESET" megatron.num_layers="$LAYERS" megatron.dtype=bfloat16 "$@"
-  summarize "$name"
+bench() {  # bench NAME LIMIT NPROC [overrides...]: the preset at $LAYERS layers, bf16
+  local name=$1 limit=$2 nproc=$3; shift 3
+  refit_bench "$name" "$limit" "$nproc" bench.source=megatron megatron.preset="$PRESET" \
+    megatron.num_layers="$LAYERS" megatron.dtype=bfloat16 "$@"
 }
 
 bench split_ep2 280 3 bench.num_trainer_ranks=2 megatron.parallel.expert=2 \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Needs 2 GPUs, nothing else running on them: run directories and resume on CUDA with the tiny
-# Llama, colocated, 2 ranks at PP2 x VPP2 (one GPU and engine each), once as configured and once with the trainer
-# offloaded to the host while the engines generate (inference.offload_trainer=true: every
-# checkpoint save brings it back to the GPU first):
+# Llama, colocated, 2 ranks at PP2 x VPP2 (one GPU and engine each), once as configured and once
+# with the trainer offloaded to the host while the engines generate
+# (inference.offload_trainer=true: every checkpoint save brings it back to the GPU first):
 #   1. 4 steps with a checkpoint every 2; the same directory again without --resume must be
 #      refused (exit 1, "already holds a run");
 #   2. --resume to 6 steps: metrics.jsonl holds steps 1..6 once, trainer_state.json names
