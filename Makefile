@@ -1,7 +1,8 @@
 # One-command set-up: every target creates or refreshes the virtual environment in .venv first.
 #   make demo   the GRPO job on its tiny CPU default: 2 ranks train a tiny Llama at PP2 x VPP2,
 #               each with a colocated inference engine refit every step; writes
-#               .demo/run/metrics.png. --standalone: a free port, so jobs on one host never collide
+#               .demo/run/metrics.png. --standalone: a free port, so jobs on one host never collide;
+#               OMP_NUM_THREADS=1 is torchrun's default, set so it does not print a notice about it
 #   make test   the test suite (GPU tests are skipped without GPUs)
 #   make lint   ruff
 
@@ -31,7 +32,7 @@ test: venv
 demo: venv
 	rm -rf $(DEMO_DIR)/tiny-llama $(DEMO_DIR)/run
 	$(BIN)/python recipes/make_tiny_model.py $(DEMO_DIR)/tiny-llama --layers 8
-	$(BIN)/torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
 	  --config configs/grpo_tiny_cpu_colocated.yaml run.output_dir=$(DEMO_DIR)/run
 
 lint: venv

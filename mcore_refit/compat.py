@@ -19,8 +19,8 @@ Three independent concerns live here:
 4. The checkpoint writer's results queue (:func:`in_process_write_results`), active only around
    one synchronous save.
 
-Call :func:`install` once per process before importing ``megatron.bridge`` (``mcore_refit.model``
-does). It is idempotent.
+Call :func:`install` once per process before importing ``megatron.bridge``, or import it with
+:func:`import_bridge`, which installs first (``mcore_refit.model`` does). Both are idempotent.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import types
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from mcore_refit.logs import output_to_log
 
 _LORA_MODULE = "megatron.bridge.peft.lora_layers"
 _TE_IMPORT_LINE = "import transformer_engine.pytorch as te"
@@ -85,6 +87,17 @@ def install() -> None:
             _install_cpu_patches()
         if not _installed:
             _installed.append("none")
+
+
+def import_bridge() -> types.ModuleType:
+    """``megatron.bridge``, imported after :func:`install`. What it prints while importing goes to
+    the log file, not the terminal: without transformer-engine its ``import_utils`` logs a failed
+    ``FP8GlobalStateManager`` import with the traceback, through a stderr handler it attaches to
+    its own logger (megatron-bridge 0.6.2, ``utils/import_utils.py:29-31``)."""
+    install()
+    with output_to_log("megatron.bridge"):
+        import megatron.bridge
+    return megatron.bridge
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 from mcore_refit import compat
 from mcore_refit.config import ModelConfig, ParallelConfig
 from mcore_refit.distributed import ModelParallel
+from mcore_refit.logs import output_to_log
 
 # TE-only fusions; without transformer-engine each must be off before provider.finalize(), or
 # Megatron raises e.g. "apply_rope_fusion is not available. Please install TE".
@@ -221,9 +222,9 @@ def build_model(model_config: ModelConfig, model_parallel: ModelParallel, *,
     Call on every rank. The layout is validated against the checkpoint's architecture first.
     ``provider_overrides`` sets further ``GPTModelProvider`` fields (e.g. ``seq_length``).
     """
-    compat.install()
     import torch.distributed as dist
-    from megatron.bridge import AutoBridge
+
+    AutoBridge = compat.import_bridge().AutoBridge  # noqa: N806 (a class)
 
     parallel = model_parallel.parallel
     shape = read_model_shape(model_config.hf_path)
@@ -252,13 +253,16 @@ def build_model(model_config: ModelConfig, model_parallel: ModelParallel, *,
     _check_pipeline_comm(provider, parallel)
     _check_spec_without_te(provider, shape.architecture)
 
-    chunks = provider.provide_distributed_model(
-        wrap_with_ddp=wrap_with_ddp,
-        ddp_config=ddp_config,
-        use_cpu_initialization=device.type == "cpu",
-        bf16=model_config.dtype == "bfloat16",
-        fp16=model_config.dtype == "float16",
-    )
+    # Megatron-Bridge prints here: the parameter count of each rank's chunks and a progress bar
+    # of the weight loading. Both go to the log file.
+    with output_to_log("megatron.bridge"):
+        chunks = provider.provide_distributed_model(
+            wrap_with_ddp=wrap_with_ddp,
+            ddp_config=ddp_config,
+            use_cpu_initialization=device.type == "cpu",
+            bf16=model_config.dtype == "bfloat16",
+            fp16=model_config.dtype == "float16",
+        )
     return ModelChunks(chunks=list(chunks), bridge=bridge, model_config=model_config,
                        model_parallel=model_parallel, shape=shape, layer_spec=layer_spec)
 

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
+from mcore_refit.logs import configure_logging, logging_arguments, output_to_log
 from mcore_refit.processes import ProcessIdentity
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.receiver import WeightTransferEndpoint
@@ -78,7 +80,8 @@ class EngineProcess:
         self._pending: str | None = None
         self._process = context.Process(target=_serve,
                                         args=(server or InferenceServer,
-                                              json.dumps(spec.to_json()), child_conn),
+                                              json.dumps(spec.to_json()), child_conn,
+                                              logging_arguments()),
                                         daemon=True, name=f"mcore_refit-engine-{spec.device}")
         self._process.start()
         child_conn.close()
@@ -231,13 +234,22 @@ def _plain(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 # --- the engine process ----------------------------------------------------------------------
 
-def _serve(server_class: type, spec_json: str, conn) -> None:
+def _serve(server_class: type, spec_json: str, conn, logging_kwargs: dict | None) -> None:
     """Engine process main loop: build, then answer commands until shutdown. Exits at once if
-    the trainer that spawned it dies, whatever it is doing (see :func:`_exit_with_parent`)."""
+    the trainer that spawned it dies, whatever it is doing (see :func:`_exit_with_parent`).
+    Logs where the trainer logs (``logging_kwargs``: its :func:`configure_logging` call)."""
     _exit_with_parent(interval_s=json.loads(spec_json).get("transport", {}).get("liveness_s",
                                                                                2.0))
+    if logging_kwargs is not None:
+        configure_logging(**logging_kwargs, process="engine")
+    # tqdm (transformers' loading bar) guards its bars with a multiprocessing lock by default, a
+    # named semaphore that only an interpreter's normal exit unlinks; this process leaves with
+    # os._exit, and the resource tracker then reports a "leaked semaphore". It starts no
+    # processes that draw bars: a thread lock serves.
+    tqdm.set_lock(threading.RLock())
     try:
-        server = server_class(json.loads(spec_json))
+        with output_to_log("transformers"):  # the loading bar
+            server = server_class(json.loads(spec_json))
     except BaseException as error:
         conn.send_bytes(encode_failure(error))
         return

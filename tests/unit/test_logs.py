@@ -32,3 +32,35 @@ def test_console_stays_plain_and_the_log_file_keeps_everything(tmp_path):
     assert logged[:3] == ["third-party chatter", "third-party warning", "third-party error"]
     assert "a python warning" in logged[3]
     assert logged[4:] == ["refit {}", "our warning"]
+
+
+def test_library_handlers_and_printed_output_go_to_the_log_file(tmp_path):
+    # torch and transformers log through stderr handlers of their own (propagation off); a
+    # library may print, or attach a stderr handler while it is imported (Megatron-Bridge).
+    log_file = tmp_path / "rank0.log"
+    script = textwrap.dedent(f"""
+        import logging, sys
+        import torch
+        from mcore_refit.logs import configure_logging, output_to_log
+        configure_logging(rank=0, log_file={str(log_file)!r})
+        logging.getLogger("torch.utils.cpp_extension").warning("torch warning")
+        import transformers.utils.logging as hf
+        hf.get_logger("transformers.configuration_utils").warning("transformers warning")
+        with output_to_log("a library"):
+            print("printed to stdout")
+            library = logging.getLogger("a.library")
+            library.addHandler(logging.StreamHandler())
+            library.info("logged to its own handler")
+        library.error("a library error")
+        print("our own print")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "our own print\n"
+    assert [line.split(": ", 1)[1] for line in result.stderr.splitlines()] == ["a library error"]
+    logged = log_file.read_text()
+    for text in ("torch warning", "transformers warning", "a library printed:\nprinted to "
+                 "stdout\nlogged to its own handler", "logged to its own handler",
+                 "a library error"):
+        assert text in logged, text
