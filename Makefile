@@ -3,7 +3,8 @@
 #               each with a colocated inference engine refit every step; writes
 #               .demo/run/metrics.png. --standalone: a free port, so jobs on one host never collide;
 #               OMP_NUM_THREADS=1 is torchrun's default, set so it does not print a notice about it
-#   make test   the test suite (GPU tests are skipped without GPUs)
+#   make test       the whole test suite, as CI runs it (GPU tests are skipped without GPUs)
+#   make test-fast  the fast tier for everyday work: no process-launching (dist), GPU or slow tests
 #   make lint   ruff
 
 SHELL := /bin/bash
@@ -12,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := .demo
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test test-fast demo lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +29,9 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-vllm.txt requiremen
 
 test: venv
 	$(BIN)/python -m pytest tests -q
+
+test-fast: venv
+	$(BIN)/python -m pytest tests -q -m "not dist and not gpu and not slow"
 
 demo: venv
 	rm -rf $(DEMO_DIR)/tiny-llama $(DEMO_DIR)/run

@@ -4,6 +4,7 @@ one host, users' own data, reward and eval set."""
 import json
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -34,11 +35,20 @@ def mean(values):
     return sum(values) / len(values)
 
 
-@pytest.mark.timeout(600)
-def test_colocated_run_learns_and_engine_matches_trainer(checkpoint, tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def colocated_run(checkpoint, tmp_path_factory):
+    """The demo's colocated job for 100 steps, checkpointed at 50 and 100: the learning test, the
+    console test and the resume test read this one launch."""
+    out = tmp_path_factory.mktemp("colocated") / "run"
     result = run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
-                          f"run.output_dir={out}", "run.steps=100", nproc=2, timeout_s=540)
+                          f"run.output_dir={out}", "run.steps=100", "run.checkpoint_every=50",
+                          nproc=2, timeout_s=540)
+    return result, out
+
+
+@pytest.mark.timeout(600)
+def test_colocated_run_learns_and_engine_matches_trainer(colocated_run):
+    result, out = colocated_run
     summary = last_json_line(result.stdout)
     assert summary["steps"] == 100 and summary["mode"] == "colocated"
     assert summary["device"] == "cpu"
@@ -54,6 +64,22 @@ def test_colocated_run_learns_and_engine_matches_trainer(checkpoint, tmp_path):
     assert mean([r["completion_tokens_mean"] for r in records[-20:]]) > 2.5
     assert [r["step"] for r in records if "eval/reward_mean" in r] == [25, 50, 75, 100]
     assert (out / "trainer_state.json").exists()
+
+
+@pytest.mark.timeout(600)
+def test_the_console_shows_our_lines_only(colocated_run):
+    # Third-party start-up output (Megatron-Bridge's import traceback and prints, torch's and
+    # transformers' warnings, progress bars) goes to the per-rank logs; the terminal shows the
+    # progress bar, then our summary lines. No leaked semaphore at exit.
+    result, out = colocated_run
+    terminal = result.stdout + result.stderr
+    for noise in ("Traceback", "deprecated", "No CUDA runtime", "number of parameters",
+                  "Loading", "leaked semaphore"):
+        assert noise not in terminal, f"{noise!r} on the terminal:\n{terminal[-3000:]}"
+    before_progress = result.stderr.split("grpo:", 1)[0].splitlines()
+    assert "grpo:" in result.stderr and len(before_progress) <= 3, before_progress
+    logged = (out / "logs" / "rank0.log").read_text()
+    assert "number of parameters" in logged and "torch_dtype" in logged
 
 
 @pytest.mark.timeout(600)
@@ -126,16 +152,16 @@ def raised_on_both_ranks(tmp_path) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_resume_continues_from_the_last_checkpoint(checkpoint, tmp_path):
-    out = tmp_path / "run"
-    common = ("--config", str(COLOCATED), f"model.hf_path={checkpoint}",
-              f"run.output_dir={out}", "run.checkpoint_every=2")
-    run_torchrun(RECIPE, *common, "run.steps=4", nproc=2, timeout_s=540)
-    assert json.loads((out / "trainer_state.json").read_text())["step"] == 4
-    resumed = run_torchrun(RECIPE, *common, "run.steps=6", "--resume", nproc=2, timeout_s=540)
+def test_resume_continues_from_the_last_checkpoint(checkpoint, colocated_run, tmp_path):
+    _, finished = colocated_run
+    out = shutil.copytree(finished, tmp_path / "run")  # the learning test reads the original
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 100
+    resumed = run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
+                           f"run.output_dir={out}", "run.checkpoint_every=50", "run.steps=102",
+                           "--resume", nproc=2, timeout_s=540)
     assert last_json_line(resumed.stdout)["steps"] == 2
-    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
-    assert json.loads((out / "trainer_state.json").read_text())["step"] == 6
+    assert [r["step"] for r in metrics(out)] == list(range(1, 103))
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 102
 
 
 @pytest.mark.timeout(600)
@@ -179,7 +205,8 @@ def test_jsonl_data_custom_reward_and_eval_set(checkpoint, tmp_path):
         RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
         f"run.output_dir={out}", "run.steps=3", "run.eval_every=2", "parallel.pipeline=1",
         "parallel.virtual_pipeline=null", "grpo.prompts_per_step=8", "grpo.samples_per_prompt=4",
-        "task.reward=my_rewards:bonus_match", "grpo.truncated_penalty=0", f"task.path={tmp_path / 'train.jsonl'}", *[f"task.{o}" for o in task],
+        "task.reward=my_rewards:bonus_match", "grpo.truncated_penalty=0",
+        f"task.path={tmp_path / 'train.jsonl'}", *[f"task.{o}" for o in task],
         "eval.num_problems=null",
         f"eval.path={tmp_path / 'eval.jsonl'}", *[f"eval.{o}" for o in task],
         nproc=1, timeout_s=540,
