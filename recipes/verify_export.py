@@ -74,12 +74,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     from mcore_refit import distributed
+    from mcore_refit.model import read_model_shape
     from mcore_refit.verify import verify_layout
 
     parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, virtual_pipeline=args.vpp,
                               expert=args.ep)
     model_config = ModelConfig(hf_path=args.hf_path, dtype=args.dtype,
                                layer_spec=args.layer_spec)
+    # A layout the checkpoint cannot be split into fails here, from its config.json, before the
+    # ranks spend their start-up on Megatron (the model build checks it again).
+    shape = read_model_shape(args.hf_path)
+    parallel.validate_for_model(world_size=args.ranks.world_size, num_layers=shape.num_layers,
+                                num_attention_heads=shape.num_attention_heads,
+                                num_query_groups=shape.num_query_groups,
+                                num_experts=shape.num_experts)
     context = distributed.init_distributed(rank=args.ranks.rank,
                                            world_size=args.ranks.world_size,
                                            local_rank=args.ranks.local_rank)

@@ -49,6 +49,7 @@ def run_probe(code):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_bridge_imports_and_cpu_patches_apply():
     result = run_probe(PROBE)
     assert result["te_in_sys_modules"] is False
@@ -74,6 +75,7 @@ def test_bridge_imports_and_cpu_patches_apply():
         "use the local layer spec (model.layer_spec: local)")
 
 
+@pytest.mark.slow
 def test_install_after_bridge_import_is_an_error():
     code = ("from mcore_refit import compat\n"
             "import sys, types\n"

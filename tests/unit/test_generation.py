@@ -133,6 +133,7 @@ class EchoServer:
         pass
 
 
+@pytest.mark.slow
 def test_the_engine_process_answers_over_the_json_pipe():
     sampling = SamplingConfig(temperature=0.5)
     with EngineProcess(_EchoSpec(name="echo"), timeout_s=60.0, server=EchoServer) as engine:
@@ -151,6 +152,7 @@ def test_the_engine_process_answers_over_the_json_pipe():
         assert engine.call("echo") == {"spec": {"name": "echo"}, "kwargs": {}}  # still serving
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_start_sends_its_traceback():
     with pytest.raises(EngineError) as raised:
         EngineProcess(_EchoSpec(fail_start=True), timeout_s=60.0, server=EchoServer)
@@ -159,6 +161,7 @@ def test_an_engine_that_cannot_start_sends_its_traceback():
     assert message.endswith("RuntimeError: no engine for this spec\n"), message
 
 
+@pytest.mark.slow
 def test_an_engine_killed_at_any_moment_is_reported_by_its_exit_code():
     import os
     import signal
@@ -174,6 +177,7 @@ def test_an_engine_killed_at_any_moment_is_reported_by_its_exit_code():
         assert time.monotonic() - started < 5.0
 
 
+@pytest.mark.slow
 def test_closing_an_engine_with_a_command_pending_kills_it_at_once():
     import time
 

@@ -182,6 +182,7 @@ def test_plot_is_a_png_of_the_run(tmp_path):
         plot_metrics([], tmp_path / "empty.png")
 
 
+@pytest.mark.slow
 def test_plot_recipe_writes_the_png_of_a_run_directory(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(
         f"{__import__('json').dumps(row)}\n" for row in records(12)))

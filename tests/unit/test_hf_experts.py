@@ -42,6 +42,7 @@ def test_slices_follow_the_fused_layout():
         expert_slices("a.experts.gate_up_proj", (2, 3, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_engine_loads_per_expert_tensors_into_the_fused_experts():
     trained, serving = tiny_qwen3_moe(seed=1), tiny_qwen3_moe(seed=2)

@@ -5,7 +5,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
+
+@pytest.mark.slow
 def test_console_stays_plain_and_the_log_file_keeps_everything(tmp_path):
     log_file = tmp_path / "logs" / "rank3.log"
     script = textwrap.dedent(f"""
@@ -34,6 +37,7 @@ def test_console_stays_plain_and_the_log_file_keeps_everything(tmp_path):
     assert logged[4:] == ["refit {}", "our warning"]
 
 
+@pytest.mark.slow
 def test_library_handlers_and_printed_output_go_to_the_log_file(tmp_path):
     # torch and transformers log through stderr handlers of their own (propagation off); a
     # library may print, or attach a stderr handler while it is imported (Megatron-Bridge).

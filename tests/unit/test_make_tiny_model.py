@@ -9,6 +9,7 @@ from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT
 
 
+@pytest.mark.slow
 def test_a_non_empty_directory_is_refused_and_left_as_it_was(tmp_path):
     shard = tmp_path / "model.safetensors"
     shard.write_bytes(b"a user's weights")
