@@ -164,23 +164,11 @@ def test_resume_continues_from_the_last_checkpoint(checkpoint, colocated_run, tm
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 102
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs each trainer owns its device")
-def test_two_colocated_jobs_share_a_host(checkpoint, tmp_path):
-    # As the README launches them: --standalone, each job on a port torchrun picks (the default
-    # port 29500 would be taken by the first). With a plain torchrun on two free ports, every
-    # job is named "none" and the engines' sockets must still not collide.
-    def launch(name, standalone):
-        return run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
-                            f"run.output_dir={tmp_path / name}", "run.steps=1",
-                            "parallel.pipeline=1", "parallel.virtual_pipeline=null",
-                            nproc=1, timeout_s=300, standalone=standalone)
-
-    for standalone in (True, False):
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            results = list(pool.map(launch, [f"first{standalone}", f"second{standalone}"],
-                                    [standalone] * 2))
-        assert [last_json_line(result.stdout)["steps"] for result in results] == [1, 1]
+def launch_one_step(checkpoint, out, *, standalone):
+    return run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
+                        f"run.output_dir={out}", "run.steps=1", "parallel.pipeline=1",
+                        "parallel.virtual_pipeline=null", nproc=1, timeout_s=300,
+                        standalone=standalone)
 
 
 USER_REWARD = """
@@ -189,31 +177,66 @@ def bonus_match(problem, completion):
 """
 
 
-@pytest.mark.timeout(600)
-def test_jsonl_data_custom_reward_and_eval_set(checkpoint, tmp_path):
-    # A user's dataset with keys of their own, a reward function by import path that reads
-    # another key of the line, and a validation set of every line of a second file.
+def launch_jsonl_job(checkpoint, folder):
+    """A user's dataset with keys of their own, a reward function by import path that reads
+    another key of the line, and a validation set of every line of a second file."""
     lines = [{"question": f"{a}+{b}", "target": str(a + b), "bonus": 0.125}
              for a in range(10) for b in range(10)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:80]))
-    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[80:]))
-    (tmp_path / "my_rewards.py").write_text(USER_REWARD)
-    out = tmp_path / "run"
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:80]))
+    (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[80:]))
+    (folder / "my_rewards.py").write_text(USER_REWARD)
     task = ["kind=jsonl", "prompt_key=question", "answer_key=target",
             "prompt_template='{prompt}='"]
-    result = run_torchrun(
+    return run_torchrun(
         RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
-        f"run.output_dir={out}", "run.steps=3", "run.eval_every=2", "parallel.pipeline=1",
-        "parallel.virtual_pipeline=null", "grpo.prompts_per_step=8", "grpo.samples_per_prompt=4",
-        "task.reward=my_rewards:bonus_match", "grpo.truncated_penalty=0",
-        f"task.path={tmp_path / 'train.jsonl'}", *[f"task.{o}" for o in task],
-        "eval.num_problems=null",
-        f"eval.path={tmp_path / 'eval.jsonl'}", *[f"eval.{o}" for o in task],
+        f"run.output_dir={folder / 'run'}", "run.steps=3", "run.eval_every=2",
+        "parallel.pipeline=1", "parallel.virtual_pipeline=null", "grpo.prompts_per_step=8",
+        "grpo.samples_per_prompt=4", "task.reward=my_rewards:bonus_match",
+        "grpo.truncated_penalty=0", f"task.path={folder / 'train.jsonl'}",
+        *[f"task.{o}" for o in task], "eval.num_problems=null",
+        f"eval.path={folder / 'eval.jsonl'}", *[f"eval.{o}" for o in task],
         nproc=1, timeout_s=540,
-        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+        env={"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])})
+
+
+@pytest.fixture(scope="module")
+def jsonl_job_and_neighbour(checkpoint, tmp_path_factory):
+    """The users'-data job and, at the same time, a one-step job, both launched with a plain
+    torchrun on free ports (each job named "none"): the data test reads the first, the
+    shared-host test both. On GPUs, where jobs do not share a device, the data job runs alone.
+    Returns (data job, its folder, neighbour or None)."""
+    folder = tmp_path_factory.mktemp("jsonl")
+    if torch.cuda.is_available():
+        return launch_jsonl_job(checkpoint, folder), folder, None
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        data_job = pool.submit(launch_jsonl_job, checkpoint, folder)
+        neighbour = pool.submit(launch_one_step, checkpoint, folder / "neighbour",
+                                standalone=False)
+        return data_job.result(), folder, neighbour.result()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs each trainer owns its device")
+def test_two_colocated_jobs_share_a_host(checkpoint, jsonl_job_and_neighbour, tmp_path):
+    # As the README launches them: --standalone, each job on a port torchrun picks (the default
+    # port 29500 would be taken by the first). With a plain torchrun on two free ports, every
+    # job is named "none" and the engines' sockets must still not collide: the data job and
+    # its neighbour.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda name: launch_one_step(checkpoint, tmp_path / name,
+                                                             standalone=True),
+                                ["first", "second"]))
+    assert [last_json_line(result.stdout)["steps"] for result in results] == [1, 1]
+    data_job, _, neighbour = jsonl_job_and_neighbour
+    assert [last_json_line(result.stdout)["steps"] for result in (data_job, neighbour)] == [3, 1]
+
+
+@pytest.mark.timeout(600)
+def test_jsonl_data_custom_reward_and_eval_set(jsonl_job_and_neighbour):
+    result, folder, _ = jsonl_job_and_neighbour
     summary = last_json_line(result.stdout)
     assert summary["steps"] == 3 and 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
-    records = metrics(out)
+    records = metrics(folder / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         assert 0.125 <= record["reward_mean"] <= 1.125  # the user's reward, bonus included
