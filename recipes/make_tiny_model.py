@@ -40,6 +40,10 @@ def main(argv: list[str]) -> int:
                          moe_intermediate_size=(args.moe_intermediate_size
                                                 if args.moe_intermediate_size is not None
                                                 else args.hidden_size // 2))
+    # Writing a tiny checkpoint takes a moment: no "Writing model shards" bar from transformers.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     path = write_tiny_checkpoint(args.out_dir, spec)
     print(f"wrote {spec.architecture} tiny checkpoint ({spec.num_layers} layers) to {path}")
     return 0
