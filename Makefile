@@ -1,11 +1,11 @@
 # One-command set-up: every target creates or refreshes the virtual environment in .venv first.
-#   make demo   the GRPO job on its tiny CPU default: 2 ranks train a tiny Llama at PP2 x VPP2,
-#               each with a colocated inference engine refit every step; writes
-#               .demo/run/metrics.png. --standalone: a free port, so jobs on one host never collide;
-#               OMP_NUM_THREADS=1 is torchrun's default, set so it does not print a notice about it
+#   make demo       the GRPO job on its tiny CPU default: 2 ranks train a tiny Llama at PP2 x VPP2,
+#                   each with a colocated inference engine refit every step; writes
+#                   .demo/run/metrics.png. --standalone: a free port, so jobs on one host never
+#                   collide; OMP_NUM_THREADS=1 is torchrun's default, set so it prints no notice
 #   make test       the whole test suite, as CI runs it (GPU tests are skipped without GPUs)
 #   make test-fast  the fast tier for everyday work: no process-launching (dist), GPU or slow tests
-#   make lint   ruff
+#   make lint       ruff
 
 SHELL := /bin/bash
 VENV := .venv
