@@ -23,6 +23,7 @@ import torch
 
 from mcore_refit.config import ConfigError
 from mcore_refit.hf_experts import loading_options
+from mcore_refit.logs import output_to_log
 from mcore_refit.refit.engines import HFModelEngine
 
 
@@ -85,8 +86,9 @@ class InferenceEngine:
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(hf_path)
         self.pad_token_id = pad_token_id(self.tokenizer, where=hf_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            hf_path, dtype=dtype, **loading_options(dtype)).to(self.device)
+        with output_to_log("transformers"):  # its "Loading weights" progress bar
+            self.model = AutoModelForCausalLM.from_pretrained(
+                hf_path, dtype=dtype, **loading_options(dtype)).to(self.device)
         self.model.eval()
         self._weights = HFModelEngine(self.model)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)

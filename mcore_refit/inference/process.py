@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
-from mcore_refit.logs import configure_logging, logging_arguments, output_to_log
+from mcore_refit.logs import configure_logging, logging_arguments
 from mcore_refit.processes import ProcessIdentity
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.receiver import WeightTransferEndpoint
@@ -248,8 +248,7 @@ def _serve(server_class: type, spec_json: str, conn, logging_kwargs: dict | None
     # processes that draw bars: a thread lock serves.
     tqdm.set_lock(threading.RLock())
     try:
-        with output_to_log("transformers"):  # the loading bar
-            server = server_class(json.loads(spec_json))
+        server = server_class(json.loads(spec_json))
     except BaseException as error:
         conn.send_bytes(encode_failure(error))
         return
