@@ -7,6 +7,7 @@
 
 Layout::
 
+    run.lock                held by global rank 0 for the run's life (:mod:`.runlock`)
     trainer_state.json      {"step": n, "checkpoint": "checkpoints/step_<n>", ...} (relative)
     metrics.jsonl           one row per step; never a step twice
     checkpoints/step_<n>/   complete checkpoints; step_<n>.partial/ while one is being written
