@@ -63,6 +63,9 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     run_dir = RunDirectory(output_dir)
     state = run_dir.claim(resume=resume, steps=config.run.steps)
     start_step = resume_from(policy, run_dir, state, config, is_logging_rank) if state else 0
+    starts_over = state is None and bool(run_dir.leftovers())
+    if starts_over and is_logging_rank:
+        _start_over(run_dir, resume=resume)
     task = build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
     # The task's state is a function of its seed and the problems drawn: replaying the draws
     # of the steps done restores it exactly.
@@ -73,7 +76,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     evaluator = Evaluator(config) if config.eval is not None else None
     # On resume, TensorBoard drops the events of the replayed steps instead of showing them twice.
     metrics_writer = MetricsWriter(config, enabled=is_logging_rank,
-                                   purge_step=start_step + 1 if state else None)
+                                   purge_step=start_step + 1 if state or starts_over else None)
     history = RunHistory()
 
     first_refit = rollouts.refit(weight_version=start_step, verify=config.run.verify_refit)
@@ -236,7 +239,7 @@ def _save_checkpoint(policy: Policy, run_dir: RunDirectory, config: GRPOJobConfi
     if offloaded:
         policy.onload()
     run_dir.save_checkpoint(policy, step=step, extra={"optimizer": _optimizer_settings(config)},
-                            control=control)
+                            control=control, keep=config.run.keep_checkpoints)
     if offloaded:
         policy.offload()
 
@@ -249,10 +252,23 @@ def resume_from(policy: Policy, run_dir: RunDirectory, state: RunState, config: 
     the trainer ranks.
     """
     check_same_optimizer(state, config, run_dir=run_dir)
+    if state.passed_over is not None and is_logging_rank:
+        logger.warning("--resume: passing over a damaged checkpoint (%s); resuming from %s "
+                       "(step %d)", state.passed_over, state.checkpoint, state.step)
     policy.load_checkpoint(state.checkpoint)
     if is_logging_rank:
         run_dir.prepare_resume(state)
     return state.step
+
+
+def _start_over(run_dir: RunDirectory, *, resume: bool) -> None:
+    """A run at step 0 in a directory a run left without a checkpoint: say what it replaces,
+    then forget it (logging rank)."""
+    why = ("--resume: no checkpoint to resume from" if resume
+           else "a run that saved no checkpoint was here")
+    logger.warning("%s in run.output_dir %r; starting at step 0 and replacing %s", why,
+                   str(run_dir.path), ", ".join(run_dir.leftovers()))
+    run_dir.prepare_resume(None)
 
 
 def check_same_optimizer(state: RunState, config: GRPOJobConfig, *,

@@ -9,6 +9,7 @@ from mcore_refit.config import ConfigError, load_config
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.job import validate_launch
 from mcore_refit.launch import LaunchError, TorchrunRanks
+from tests.checkpoints import write_checkpoint
 from tests.launch import REPO_ROOT
 
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
@@ -71,14 +72,17 @@ def test_a_launch_checks_the_model_path_and_the_run_directory(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.hf_path='.*/missing' is not a local "
                                           r"directory"):
         validate_launch(config(tmp_path / "missing"), world_size=2, resume=False)
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    # A run that crashed before its first checkpoint leaves a directory the next run may take.
+    (tmp_path / "run" / "checkpoints" / "step_000002.partial").mkdir(parents=True)
+    validate_launch(job, world_size=2, resume=False)
+    (tmp_path / "run" / "checkpoints" / "step_000002").mkdir()
     with pytest.raises(ValueError, match="already holds a run"):
         validate_launch(job, world_size=2, resume=False)
 
 
 def test_resuming_with_another_learning_rate_is_refused_before_the_start_up(tmp_path):
     run = tmp_path / "run"
-    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    write_checkpoint(run / "checkpoints" / "step_000002")
     settings = dict(config(tmp_path).policy.optimizer.__dict__)
     (run / "trainer_state.json").write_text(json.dumps(
         {"step": 2, "checkpoint": "checkpoints/step_000002", "optimizer": settings}))
