@@ -109,7 +109,7 @@ def disk_full(path: str | Path) -> bool:
 
 def no_space(path: str | Path) -> OSError:
     """The error of a write to ``path`` that found its device full."""
-    return OSError(errno.ENOSPC, f"no space left on device writing {path}", str(path))
+    return OSError(errno.ENOSPC, f"no space left on device writing {path}")
 
 
 @contextlib.contextmanager
@@ -125,7 +125,7 @@ def writing(path: str | Path) -> Iterator[None]:
         if error.filename is not None:
             raise  # it names its file already
         reason = error.strerror or str(error)
-        raise OSError(error.errno, f"{reason} writing {path}", str(path)) from error
+        raise OSError(error.errno, f"{reason} writing {path}") from error
     except RuntimeError as error:
         if disk_full(path):
             raise no_space(path) from error

@@ -16,6 +16,7 @@ from mcore_refit.control import ControlGroup, raise_dead_peer_first
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.evaluation import EVAL_SEED_OFFSET, draw_eval_set
 from mcore_refit.grpo.loop import check_same_optimizer, run_grpo
+from mcore_refit.grpo.preflight import check_model_and_data
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 from mcore_refit.grpo.rundir import RunDirectory
@@ -39,7 +40,8 @@ def lock_run_directory(config: GRPOJobConfig, *, rank: int, job_id: str) -> RunL
 
 
 def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> None:
-    """What the config alone cannot check: the launch's size, local files, the run directory.
+    """What the config alone cannot check: the launch's size, local files (the model's, the
+    data against the model: :mod:`~mcore_refit.grpo.preflight`), the run directory.
 
     Cheap and local: call on every rank before the start-up (process groups, model), so a bad
     launch fails in seconds with an error that names the key.
@@ -76,6 +78,7 @@ def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> 
                           hf_path=config.model.hf_path)
         except (OSError, ValueError) as error:
             raise ConfigError(f"`eval`: {error}") from None
+    check_model_and_data(config)
     run_dir = RunDirectory(config.run.output_dir)
     state = run_dir.claim(resume=resume, steps=config.run.steps)
     if state is not None:

@@ -33,7 +33,7 @@ from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
 from mcore_refit.grpo.rundir import RunDirectory, RunState
 from mcore_refit.grpo.seeds import derive_seed
-from mcore_refit.grpo.tasks import Problem, RewardFunction, build_task
+from mcore_refit.grpo.tasks import Problem, RewardFunction, build_task, excerpt
 from mcore_refit.inference.engine import Completion
 from mcore_refit.numerics import NonFiniteError, first_non_finite
 from mcore_refit.policy.worker import Policy
@@ -192,8 +192,8 @@ def score_step(reward_fn: RewardFunction, problems: Sequence[Problem],
         problem, sample = divmod(index, group_size)
         raise NonFiniteError(
             f"step {step}: the reward is {rewards[index].item()} for sample {sample} of problem "
-            f"{problem} of the step ({problems[problem].prompt!r:.80}, completion "
-            f"{completions[index].text!r:.80}) from task.reward={config.task.reward!r}; the "
+            f"{problem} of the step ({excerpt(problems[problem].prompt)}, completion "
+            f"{excerpt(completions[index].text)}) from task.reward={config.task.reward!r}; the "
             "step stopped before the update")
     advantages = group_advantages(rewards, group_size=group_size,
                                   normalize_std=config.grpo.normalize_advantages)
