@@ -3,6 +3,7 @@ tmpfs where this machine lets root mount one, else an injected ENOSPC."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import subprocess
 
@@ -53,8 +54,8 @@ def full_disk(request, tmp_path, monkeypatch):
     try:
         yield disk, fill
     finally:
-        if mounted:
-            subprocess.run(["umount", str(disk)], check=False)
+        if mounted:  # lazily: a file a failed test left open must not keep it mounted
+            subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
 
 @pytest.mark.parametrize("full_disk", ["tmpfs", "injected"], indirect=True)
@@ -92,4 +93,6 @@ def test_metrics_rows_on_a_full_device_name_the_file(full_disk):
     with pytest.raises(OSError) as error:
         for step in range(1, 10000):  # past any buffer
             writer.log({"step": step, "reward_mean": 0.5, "note": "x" * 4096})
+    with contextlib.suppress(OSError):
+        writer.close()
     assert str(error.value) == f"[Errno 28] no space left on device writing {disk}/metrics.jsonl"
