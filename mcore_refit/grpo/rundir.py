@@ -198,7 +198,7 @@ class RunDirectory:
     def save_checkpoint(self, policy, *, step: int, extra: dict[str, Any],
                         control: ControlGroup, keep: int | None = None) -> Path:
         """Save ``policy`` as the checkpoint of ``step`` and record it as the latest; then remove
-        all but the newest ``keep`` complete checkpoints (None keeps every one).
+        all but the newest ``keep`` complete checkpoints up to ``step`` (None keeps every one).
 
         Collective over the trainer ranks, whose host group ``control`` is (its rank 0 renames
         and records). The state file changes only after every rank has written its shards and
@@ -224,7 +224,9 @@ class RunDirectory:
             state = {"step": step, "checkpoint": str(final.relative_to(self.path)), **extra}
             replace_text(self.state_file, json.dumps(state))
             if keep is not None:
-                for _, old in self.complete_checkpoints()[keep:]:
+                # Those of later steps (an earlier attempt's) are replaced when reached.
+                done = [path for saved, path in self.complete_checkpoints() if saved <= step]
+                for old in done[keep:]:
                     logger.info("removing %s (run.keep_checkpoints=%d)", old, keep)
                     shutil.rmtree(old)
         control.barrier(what=f"the checkpoint of step {step} recorded")

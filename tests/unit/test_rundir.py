@@ -147,3 +147,58 @@ def test_resume_forgets_rows_after_the_checkpoint_and_partial_checkpoints(tmp_pa
     steps = [json.loads(line)["step"] for line in run.metrics_file.read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+
+
+@pytest.fixture
+def one_rank():
+    """The control group of a one-rank gloo job (this process)."""
+    import torch.distributed as dist
+
+    from mcore_refit.control import ControlGroup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield ControlGroup(None, timeout_s=30)
+    finally:
+        dist.destroy_process_group()
+
+
+class SavingPolicy:
+    """Writes a small checkpoint where the run directory asks, or fails as told."""
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def save_checkpoint(self, path):
+        if self.error is not None:
+            raise self.error
+        write_checkpoint(path)
+
+
+def test_saves_keep_the_newest_checkpoints_and_leave_later_attempts(tmp_path, one_rank):
+    run = RunDirectory(tmp_path)
+    write_checkpoint(tmp_path / "checkpoints" / "step_000009")  # an earlier attempt's
+    for step in (2, 4, 6):
+        run.save_checkpoint(SavingPolicy(), step=step, extra={}, control=one_rank, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_000004", "step_000006", "step_000009"]
+    assert json.loads(run.state_file.read_text())["checkpoint"] == "checkpoints/step_000006"
+    run.save_checkpoint(SavingPolicy(), step=8, extra={}, control=one_rank, keep=1)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_000008", "step_000009"]
+
+
+def test_a_failed_save_names_the_checkpoint_on_every_rank(tmp_path, one_rank):
+    import errno
+
+    from mcore_refit.control import RankFailure
+
+    run = RunDirectory(tmp_path)
+    full = SavingPolicy(OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(RankFailure) as error:
+        run.save_checkpoint(full, step=2, extra={}, control=one_rank, keep=2)
+    partial = tmp_path / "checkpoints" / "step_000002.partial"
+    assert str(error.value).startswith(
+        f"the checkpoint of step 2 failed on trainer rank 0: OSError: [Errno 28] no space left "
+        f"on device writing {partial}\n")
+    assert not run.state_file.exists()
