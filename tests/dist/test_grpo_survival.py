@@ -195,7 +195,8 @@ def test_a_full_disk_names_the_file_being_written(checkpoint, tmp_path):
         out = disk / "run"
         failed, seconds = launch(recipe_args(checkpoint, out, "run.checkpoint_every=1",
                                              "run.tensorboard=false"), expect_failure=True)
-        print(f"a full disk: torchrun returned {seconds:.1f} s after the launch")
+        named = [line for line in failed.stderr.splitlines() if "no space left" in line]
+        print(f"a full disk: torchrun returned {seconds:.1f} s after the launch; {named[:1]}")
         assert f"no space left on device writing {out}" in failed.stderr, failed.stderr[-5000:]
         assert not (out / "trainer_state.json").exists() or json.loads(
             (out / "trainer_state.json").read_text())["step"] >= 1
