@@ -43,29 +43,37 @@ def main(argv: list[str]) -> int:
     except LaunchError as error:
         parser.error(str(error))
     rank, world_size = ranks.rank, ranks.world_size
-    job.validate_launch(config, world_size=world_size, resume=args.resume)
-    configure_logging(rank=rank, log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
-    # torchrun stops every rank with SIGTERM once one failed: unwind (engines stopped, IPC files
-    # removed) and name the dead rank, rather than vanish.
-    with stop_on_sigterm():
-        if config.refit.mode == "colocated":
-            summary = job.run_colocated(config, rank=rank, world_size=world_size,
-                                        local_rank=ranks.local_rank,
-                                        local_world_size=ranks.local_world_size,
-                                        job_id=_job_id(ranks), resume=args.resume)
-        else:
-            summary = job.run_non_colocated(config, rank=rank, world_size=world_size,
-                                            local_rank=ranks.local_rank,
-                                            local_world_size=ranks.local_world_size,
-                                            resume=args.resume, store_host=ranks.master_addr,
-                                            store_port=ranks.master_port)
+    # One writer per run directory: a second run is refused here, before the start-up.
+    with job.lock_run_directory(config, rank=rank, job_id=_job_id(ranks)) as run_lock:
+        job.validate_launch(config, world_size=world_size, resume=args.resume)
+        configure_logging(rank=rank,
+                          log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
+        run_lock.log_replaced()
+        summary = _run(config, ranks, resume=args.resume)
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0
 
 
+def _run(config: GRPOJobConfig, ranks: TorchrunRanks, *, resume: bool) -> dict | None:
+    rank, world_size = ranks.rank, ranks.world_size
+    # torchrun stops every rank with SIGTERM once one failed: unwind (engines stopped, IPC files
+    # removed) and name the dead rank, rather than vanish.
+    with stop_on_sigterm():
+        if config.refit.mode == "colocated":
+            return job.run_colocated(config, rank=rank, world_size=world_size,
+                                     local_rank=ranks.local_rank,
+                                     local_world_size=ranks.local_world_size,
+                                     job_id=_job_id(ranks), resume=resume)
+        return job.run_non_colocated(config, rank=rank, world_size=world_size,
+                                     local_rank=ranks.local_rank,
+                                     local_world_size=ranks.local_world_size, resume=resume,
+                                     store_host=ranks.master_addr, store_port=ranks.master_port)
+
+
 def _job_id(ranks: TorchrunRanks) -> str:
-    """Unique among the jobs running on this host (names the CPU engines' sockets).
+    """Unique among the jobs running on this host (names the CPU engines' sockets and the run
+    directory's lock holder).
 
     ``--standalone`` gives each launch its own run id; a plain ``torchrun`` leaves
     TORCHELASTIC_RUN_ID at "none", and then the rendezvous port tells concurrent jobs apart.

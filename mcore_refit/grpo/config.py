@@ -149,8 +149,12 @@ class RunConfig:
     steps: int = 20
     seed: int = 1234
     output_dir: str = "runs/grpo"
-    # Save a checkpoint every this many steps (and at the end); 0 saves only at the end.
-    checkpoint_every: int = 0
+    # Save a checkpoint every this many steps (and at the end); 0 saves only at the end. A
+    # crash loses at most this many steps (`--resume` continues from the latest checkpoint).
+    checkpoint_every: int = 50
+    # Keep the newest this many complete checkpoints (null: every one). With 2 or more, a latest
+    # checkpoint whose files are damaged is passed over for the one before on `--resume`.
+    keep_checkpoints: int | None = 2
     # Compare the engine's weights with the trainer's export after every refit (slow; tests).
     verify_refit: bool = False
     # Metrics go to output_dir/metrics.jsonl, and to these:
@@ -175,6 +179,9 @@ class RunConfig:
                               "requirements.txt) is not installed; install it or set it to false")
         if self.checkpoint_every < 0:
             raise ConfigError(f"`checkpoint_every` must be ≥ 0, got {self.checkpoint_every}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ConfigError(f"`keep_checkpoints` must be ≥ 1 or null, got "
+                              f"{self.keep_checkpoints}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,17 +16,32 @@ from mcore_refit.control import ControlGroup, raise_dead_peer_first
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.evaluation import EVAL_SEED_OFFSET, draw_eval_set
 from mcore_refit.grpo.loop import check_same_optimizer, run_grpo
+from mcore_refit.grpo.preflight import check_model_and_data
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 from mcore_refit.grpo.rundir import RunDirectory
+from mcore_refit.grpo.runlock import RunLock
 from mcore_refit.grpo.tasks import build_task
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
 
 
+def lock_run_directory(config: GRPOJobConfig, *, rank: int, job_id: str) -> RunLock:
+    """``run.output_dir``'s lock (:mod:`~mcore_refit.grpo.runlock`): global rank 0 takes it, the
+    other ranks check it. Call on every rank first, before the start-up, so that a second run on
+    the directory is refused in seconds; global rank 0 holds it until it releases or exits."""
+    lock = RunLock(config.run.output_dir, job=job_id)
+    if rank == 0:
+        lock.acquire()
+    else:
+        lock.check()
+    return lock
+
+
 def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> None:
-    """What the config alone cannot check: the launch's size, local files, the run directory.
+    """What the config alone cannot check: the launch's size, local files (the model's, the
+    data against the model: :mod:`~mcore_refit.grpo.preflight`), the run directory.
 
     Cheap and local: call on every rank before the start-up (process groups, model), so a bad
     launch fails in seconds with an error that names the key.
@@ -63,6 +78,7 @@ def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> 
                           hf_path=config.model.hf_path)
         except (OSError, ValueError) as error:
             raise ConfigError(f"`eval`: {error}") from None
+    check_model_and_data(config)
     run_dir = RunDirectory(config.run.output_dir)
     state = run_dir.claim(resume=resume, steps=config.run.steps)
     if state is not None:

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,9 @@ from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
 from mcore_refit.grpo.rundir import RunDirectory, RunState
 from mcore_refit.grpo.seeds import derive_seed
-from mcore_refit.grpo.tasks import build_task
+from mcore_refit.grpo.tasks import Problem, RewardFunction, build_task, excerpt
+from mcore_refit.inference.engine import Completion
+from mcore_refit.numerics import NonFiniteError, first_non_finite
 from mcore_refit.policy.worker import Policy
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,9 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     run_dir = RunDirectory(output_dir)
     state = run_dir.claim(resume=resume, steps=config.run.steps)
     start_step = resume_from(policy, run_dir, state, config, is_logging_rank) if state else 0
+    starts_over = state is None and bool(run_dir.leftovers())
+    if starts_over and is_logging_rank:
+        _start_over(run_dir, resume=resume)
     task = build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
     # The task's state is a function of its seed and the problems drawn: replaying the draws
     # of the steps done restores it exactly.
@@ -70,7 +76,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     evaluator = Evaluator(config) if config.eval is not None else None
     # On resume, TensorBoard drops the events of the replayed steps instead of showing them twice.
     metrics_writer = MetricsWriter(config, enabled=is_logging_rank,
-                                   purge_step=start_step + 1 if state else None)
+                                   purge_step=start_step + 1 if state or starts_over else None)
     history = RunHistory()
 
     first_refit = rollouts.refit(weight_version=start_step, verify=config.run.verify_refit)
@@ -89,13 +95,11 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
                                    sampling=config.inference.sampling,
                                    seed=derive_seed(config.run.seed, step))
         generate_s = time.perf_counter() - started
-        repeated = [p for p in problems for _ in range(config.grpo.samples_per_prompt)]
         completions = [c for group in groups for c in group]
-        rewards = torch.tensor(score_completions(
-            reward_fn, repeated, [c.text for c in completions], [c.stopped for c in completions],
-            truncated_penalty=config.grpo.truncated_penalty))
-        advantages = group_advantages(rewards, group_size=config.grpo.samples_per_prompt,
-                                      normalize_std=config.grpo.normalize_advantages)
+        # A reward that fails or is not finite on any rank stops the step on every rank.
+        rewards, advantages = control.run_everywhere(
+            f"scoring step {step + 1}", score_step, reward_fn, problems, completions, config,
+            step=step + 1, who="trainer rank")
         rollout = build_rollout_batch(groups, rewards, advantages, pad_token_id=pad_token_id)
 
         rollouts.release()
@@ -108,7 +112,10 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
         mult_err = logprob_mult_err(old_logprobs, rollout.inference_logprobs,
                                     rollout.response_mask)
         train_started = time.perf_counter()
-        metrics = policy.train_step(with_fields(rollout.batch, **fields), loss_fn=loss_fn)
+        try:
+            metrics = policy.train_step(with_fields(rollout.batch, **fields), loss_fn=loss_fn)
+        except NonFiniteError as error:  # raised on every rank: the loss and norm are global
+            raise NonFiniteError(f"step {step + 1}: {error}") from None
         train_s = time.perf_counter() - train_started
 
         refit = rollouts.refit(weight_version=step + 1, verify=config.run.verify_refit)
@@ -155,10 +162,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     console.close()
     metrics_writer.close()
     if is_logging_rank and config.run.plot:
-        plot = plot_metrics(read_metrics(output_dir), output_dir / PLOT_FILE,
-                            title=f"GRPO, refit.mode={config.refit.mode}, "
-                                  f"model {Path(config.model.hf_path).name}")
-        console.write(f"metrics: {output_dir / METRICS_FILE}, plot: {plot}")
+        _plot(config, console)
     evaluated = {"eval_reward_last": history.eval_rewards[-1]} if history.eval_rewards else {}
     return {
         "steps": config.run.steps - start_step,
@@ -170,6 +174,52 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
         "mode": config.refit.mode,
         **evaluated,
     }
+
+
+def score_step(reward_fn: RewardFunction, problems: Sequence[Problem],
+               completions: Sequence[Completion], config: GRPOJobConfig, *,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards and group advantages of one step's completions (``samples_per_prompt`` per
+    problem, in order); :class:`~mcore_refit.numerics.NonFiniteError` names the step, the
+    reward function, the problem and the sample of the first NaN or infinite one. Local."""
+    group_size = config.grpo.samples_per_prompt
+    repeated = [p for p in problems for _ in range(group_size)]
+    rewards = torch.tensor(score_completions(
+        reward_fn, repeated, [c.text for c in completions], [c.stopped for c in completions],
+        truncated_penalty=config.grpo.truncated_penalty))
+    index = first_non_finite(rewards)
+    if index is not None:
+        problem, sample = divmod(index, group_size)
+        raise NonFiniteError(
+            f"step {step}: the reward is {rewards[index].item()} for sample {sample} of problem "
+            f"{problem} of the step ({excerpt(problems[problem].prompt)}, completion "
+            f"{excerpt(completions[index].text)}) from task.reward={config.task.reward!r}; the "
+            "step stopped before the update")
+    advantages = group_advantages(rewards, group_size=group_size,
+                                  normalize_std=config.grpo.normalize_advantages)
+    index = first_non_finite(advantages)
+    if index is not None:
+        raise NonFiniteError(
+            f"step {step}: the advantage of sample {index % group_size} of problem "
+            f"{index // group_size} is {advantages[index].item()} (its group's rewards: "
+            f"{rewards.view(-1, group_size)[index // group_size].tolist()}); the step stopped "
+            "before the update")
+    return rewards, advantages
+
+
+def _plot(config: GRPOJobConfig, console: Console) -> None:
+    """Draw ``metrics.png``; a plot that fails is a warning, never the run's failure."""
+    output_dir = Path(config.run.output_dir)
+    try:
+        plot = plot_metrics(read_metrics(output_dir), output_dir / PLOT_FILE,
+                            title=f"GRPO, refit.mode={config.refit.mode}, "
+                                  f"model {Path(config.model.hf_path).name}")
+    except Exception as error:  # the run itself is done and saved
+        logger.warning("could not draw %s (the run is complete; `python recipes/plot_metrics.py "
+                       "%s` retries): %s: %s", output_dir / PLOT_FILE, output_dir,
+                       type(error).__name__, error)
+        return
+    console.write(f"metrics: {output_dir / METRICS_FILE}, plot: {plot}")
 
 
 def _eval_due(step: int, config: GRPOJobConfig) -> bool:
@@ -189,7 +239,7 @@ def _save_checkpoint(policy: Policy, run_dir: RunDirectory, config: GRPOJobConfi
     if offloaded:
         policy.onload()
     run_dir.save_checkpoint(policy, step=step, extra={"optimizer": _optimizer_settings(config)},
-                            control=control)
+                            control=control, keep=config.run.keep_checkpoints)
     if offloaded:
         policy.offload()
 
@@ -202,10 +252,23 @@ def resume_from(policy: Policy, run_dir: RunDirectory, state: RunState, config: 
     the trainer ranks.
     """
     check_same_optimizer(state, config, run_dir=run_dir)
+    if state.passed_over is not None and is_logging_rank:
+        logger.warning("--resume: passing over a damaged checkpoint (%s); resuming from %s "
+                       "(step %d)", state.passed_over, state.checkpoint, state.step)
     policy.load_checkpoint(state.checkpoint)
     if is_logging_rank:
         run_dir.prepare_resume(state)
     return state.step
+
+
+def _start_over(run_dir: RunDirectory, *, resume: bool) -> None:
+    """A run at step 0 in a directory a run left without a checkpoint: say what it replaces,
+    then forget it (logging rank)."""
+    why = ("--resume: no checkpoint to resume from" if resume
+           else "a run that saved no checkpoint was here")
+    logger.warning("%s in run.output_dir %r; starting at step 0 and replacing %s", why,
+                   str(run_dir.path), ", ".join(run_dir.leftovers()))
+    run_dir.prepare_resume(None)
 
 
 def check_same_optimizer(state: RunState, config: GRPOJobConfig, *,

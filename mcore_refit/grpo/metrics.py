@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mcore_refit.config import save_config, to_dict
+from mcore_refit.files import writing
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.refit.telemetry import RefitTelemetry
 
@@ -64,8 +65,11 @@ class MetricsWriter:
         if not enabled:
             return
         output_dir = Path(config.run.output_dir)
-        save_config(config, output_dir / CONFIG_FILE)
-        self._file = (output_dir / METRICS_FILE).open("a")
+        with writing(output_dir / CONFIG_FILE):
+            save_config(config, output_dir / CONFIG_FILE)
+        self._path = output_dir / METRICS_FILE
+        with writing(self._path):
+            self._file = self._path.open("a")
         if config.run.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -84,8 +88,9 @@ class MetricsWriter:
         if not self._enabled:
             return
         step = record["step"]
-        self._file.write(json.dumps(dict(record)) + "\n")
-        self._file.flush()
+        with writing(self._path):
+            self._file.write(json.dumps(dict(record)) + "\n")
+            self._file.flush()
         scalars = {key: value for key, value in record.items()
                    if key != "step" and isinstance(value, (int, float))
                    and not isinstance(value, bool)}

@@ -7,6 +7,7 @@ Drawn with matplotlib's object API (no pyplot, no global backend state), so it r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,15 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 
 def reward_limits(values: Sequence[float], *, margin: float = 0.02) -> tuple[float, float]:
     """The reward axis: [0, 1] unless a penalty (truncation) or a bonus goes outside it."""
-    return min(0.0, *values) - margin, max(1.0, *values) + margin
+    return min([0.0, *values]) - margin, max([1.0, *values]) + margin
+
+
+def finite_points(records: Sequence[dict[str, Any]], key: str) -> tuple[list, list[float]]:
+    """``(steps, values)`` of the records whose ``key`` is a finite number: a NaN or infinite
+    value (or none) leaves a gap in the line rather than failing the plot or its axis."""
+    points = [(r["step"], r[key]) for r in records
+              if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [step for step, _ in points], [value for _, value in points]
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, *,
@@ -41,8 +50,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, *,
 
     if not records:
         raise ValueError("no metrics to plot: the run logged no step")
-    steps = [r["step"] for r in records]
-    rewards = [r["reward_mean"] for r in records]
+    steps, rewards = finite_points(records, "reward_mean")
     figure = Figure(figsize=(7.5, 8.0), layout="constrained")
     reward_ax, refit_ax, err_ax = figure.subplots(3, 1, sharex=True)
     figure.suptitle(title)
@@ -52,22 +60,24 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, *,
                    label="train (per step)")
     reward_ax.plot(steps, moving_average(rewards, window), color="tab:blue", linewidth=2,
                    label=f"train ({window}-step mean)")
-    evals = [(r["step"], r[EVAL_REWARD]) for r in records if r.get(EVAL_REWARD) is not None]
-    if evals:
-        reward_ax.plot(*zip(*evals, strict=True), color="tab:orange", marker="o", linewidth=1.5,
+    eval_steps, eval_rewards = finite_points(records, EVAL_REWARD)
+    if eval_steps:
+        reward_ax.plot(eval_steps, eval_rewards, color="tab:orange", marker="o", linewidth=1.5,
                        label="eval (greedy)")
     reward_ax.set_ylabel("mean reward")
-    reward_ax.set_ylim(*reward_limits(rewards + [value for _, value in evals]))
+    reward_ax.set_ylim(*reward_limits(rewards + eval_rewards))
     reward_ax.grid(alpha=0.3)
     reward_ax.legend(loc="upper left", fontsize="small")
 
-    refit_ax.plot(steps, [r["refit_s"] * 1e3 for r in records], color="tab:green", linewidth=1)
+    refit_steps, refit_s = finite_points(records, "refit_s")
+    refit_ax.plot(refit_steps, [value * 1e3 for value in refit_s], color="tab:green",
+                  linewidth=1)
     refit_ax.set_ylabel("refit time (ms)")
     refit_ax.set_ylim(bottom=0)
     refit_ax.grid(alpha=0.3)
 
-    err_ax.plot(steps, [r["logprob_mult_err"] - 1.0 for r in records], color="tab:red",
-                linewidth=1)
+    err_steps, mult_err = finite_points(records, "logprob_mult_err")
+    err_ax.plot(err_steps, [value - 1.0 for value in mult_err], color="tab:red", linewidth=1)
     err_ax.set_ylabel("logprob_mult_err − 1")
     err_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     err_ax.set_ylim(bottom=0)

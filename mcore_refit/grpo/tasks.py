@@ -173,6 +173,11 @@ def load_jsonl_problems(path: str | Path, *, prompt_key: str = "prompt",
     return problems
 
 
+def excerpt(text: str, limit: int = 60) -> str:
+    """``text`` quoted for a message: its repr, cut after ``limit`` characters (``…``)."""
+    return repr(text[:limit]) + ("…" if len(text) > limit else "")
+
+
 def template_fields(template: str) -> set[str]:
     """The names a ``str.format`` template refers to (``{prompt}`` → ``{"prompt"}``)."""
     try:

@@ -161,6 +161,7 @@ class InferenceEngine:
         stop_id = self._stop_token_id(sampling.stop_token)
         prompt_ids = [tuple(self.tokenizer(p, add_special_tokens=False)["input_ids"])
                       for p in prompts]
+        self._check_positions(prompts, prompt_ids, sampling.max_new_tokens)
         expanded = [ids for ids in prompt_ids for _ in range(num_samples)]
         tokens, logprobs, lengths, stopped = self._sample(expanded, sampling, stop_id)
         completions = []
@@ -176,6 +177,23 @@ class InferenceEngine:
                 stopped=bool(stopped[row]),
             ))
         return [completions[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+
+    def _check_positions(self, prompts: Sequence[str], prompt_ids: Sequence[tuple[int, ...]],
+                         max_new_tokens: int) -> None:
+        """Refuse a prompt that leaves no room for ``max_new_tokens`` within the model's
+        positions (beyond them, a model extrapolates or fails, and every step slows)."""
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if not isinstance(positions, int):
+            return
+        for prompt, ids in zip(prompts, prompt_ids, strict=True):
+            if len(ids) + max_new_tokens > positions:
+                raise ValueError(
+                    f"a prompt ({prompt[:60]!r}{'…' if len(prompt) > 60 else ''}) is "
+                    f"{len(ids)} tokens; with "
+                    f"inference.sampling.max_new_tokens={max_new_tokens} it needs "
+                    f"{len(ids) + max_new_tokens} positions, more than the model's {positions} "
+                    "(max_position_embeddings): shorten the prompts or lower "
+                    "inference.sampling.max_new_tokens")
 
     def _stop_token_id(self, stop_token: str | None) -> int:
         if stop_token is None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from mcore_refit.model import ModelChunks
+from mcore_refit.numerics import check_finite
 from mcore_refit.policy.config import OptimizerConfig
 
 
@@ -61,6 +62,33 @@ def build_scheduler(optimizer, config: OptimizerConfig):
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,
     )
+
+
+def step_if_finite(optimizer) -> tuple[bool, float]:
+    """``optimizer.step()`` — ``(update_successful, grad_norm)`` — unless the global gradient norm
+    is NaN or infinite: then :class:`~mcore_refit.numerics.NonFiniteError` before any parameter
+    or optimizer state changes.
+
+    ``ChainedOptimizer.step`` (what :func:`build_optimizer` returns) measures the norm between
+    preparing the gradients and clipping them (megatron-core 0.19.2, optimizer.py:1866); the
+    check runs on the value it measures there, so it adds no pass over the gradients and no
+    device sync. The norm is all-reduced over every model-parallel and data-parallel rank, so
+    every rank raises.
+    """
+    assert hasattr(optimizer, "chained_optimizers"), "expected Megatron's ChainedOptimizer"
+    measure = optimizer.get_grad_norm
+
+    def measure_and_check() -> float:
+        norm = measure()
+        check_finite("gradient norm", float(norm))
+        return norm
+
+    optimizer.get_grad_norm = measure_and_check
+    try:
+        update_successful, grad_norm, _ = optimizer.step()
+    finally:
+        del optimizer.get_grad_norm  # the class's method again
+    return bool(update_successful), grad_norm
 
 
 def current_lr(optimizer) -> float:

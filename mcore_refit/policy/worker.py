@@ -22,6 +22,7 @@ from mcore_refit.control import ControlGroup
 from mcore_refit.distributed import ModelParallel
 from mcore_refit.losses import CrossEntropyLoss, LossFunction, LossOutput, check_loss_inputs
 from mcore_refit.model import ModelChunks, build_model
+from mcore_refit.numerics import NonFiniteError, check_finite
 from mcore_refit.pipeline import forward_backward
 from mcore_refit.policy import checkpoint
 from mcore_refit.policy.batch import MicroBatch, SequenceBatch, build_micro_batches, scatter_rows
@@ -32,6 +33,7 @@ from mcore_refit.policy.optim import (
     build_scheduler,
     current_lr,
     optimizer_state_tensors,
+    step_if_finite,
 )
 from mcore_refit.policy.packing import PackingPlan, pack_for_layout
 from mcore_refit.policy.reference import ReferenceWeights
@@ -164,8 +166,9 @@ class Policy:
 
         The batch is packed into micro-batches (see :meth:`packing_plan`), run through the
         pipeline schedule with the loss normalised by the global token count, then gradients are
-        clipped and the optimizer and scheduler step. Collective: call on every rank with the
-        same batch.
+        clipped and the optimizer and scheduler step. A NaN or infinite loss or gradient norm
+        raises :class:`~mcore_refit.numerics.NonFiniteError` on every rank before the update.
+        Collective: call on every rank with the same batch.
         """
         self._require_onloaded("train_step")
         loss_fn = loss_fn if loss_fn is not None else CrossEntropyLoss()
@@ -181,17 +184,22 @@ class Policy:
 
         outputs = forward_backward(self.model, micro_batches, loss_func=self._loss(loss_fn),
                                    forward_only=False, logits=True)
-        update_successful, grad_norm, _ = self.optimizer.step()
-        if update_successful:
-            self.scheduler.step(increment=1)
-            self._step += 1
-
         totals = self._global_sums(outputs, ("loss", "num_tokens", *loss_fn.metric_names))
         num_tokens = int(totals["num_tokens"])
         per_token = max(num_tokens, 1)
+        loss = totals["loss"] / per_token
+        try:
+            check_finite("loss", loss)
+            update_successful, grad_norm = step_if_finite(self.optimizer)
+        except NonFiniteError as error:
+            raise NonFiniteError(f"{error} in optimizer step {self._step + 1}; the update was "
+                                 "not applied") from None
+        if update_successful:
+            self.scheduler.step(increment=1)
+            self._step += 1
         return TrainMetrics(
             step=self._step,
-            loss=totals["loss"] / per_token,
+            loss=loss,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=lr,
             num_tokens=num_tokens,

@@ -6,6 +6,8 @@ optimizer (fp32 master weights sharded over the two ranks).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -79,3 +81,17 @@ def test_reference_model_survives_checkpoint_load(results, case):
     assert torch.equal(resumed["reference_logprobs"], resumed["reference_logprobs_before_load"])
     assert torch.equal(resumed["reference_logprobs"], straight["reference_logprobs"])
     assert (resumed["logprobs"] - resumed["reference_logprobs"]).abs().max() > 1e-3
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES)
+def test_a_non_finite_loss_or_gradient_norm_stops_the_step_before_the_update(results, case):
+    """The straight run's refused steps changed nothing: the weights right after them, and
+    (through the tests above) everything the later steps and the checkpoint depend on."""
+    refused = results[case]["straight"]["refused"]
+    messages = refused["messages"]
+    assert messages["loss"] == "the loss is nan in optimizer step 3; the update was not applied"
+    # An infinite gradient becomes NaN where it meets a zero on its way back: either is named.
+    assert re.fullmatch(r"the gradient norm is (inf|nan) in optimizer step 3; the update was not "
+                        r"applied", messages["grad_norm"] or ""), messages["grad_norm"]
+    assert refused["weights_unchanged"] and refused["step_unchanged"]

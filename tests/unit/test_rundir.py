@@ -7,11 +7,14 @@ import shutil
 import pytest
 
 from mcore_refit.grpo.rundir import RunDirectory
+from tests.checkpoints import write_checkpoint
 
 
-def finished_run(path, *, step=4, rows=5):
-    """A run directory as a run that checkpointed ``step`` and logged ``rows`` steps leaves it."""
-    (path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+def finished_run(path, *, step=4, rows=5, earlier=()):
+    """A run directory as a run that checkpointed ``earlier`` steps and ``step`` and logged
+    ``rows`` steps leaves it."""
+    for saved in (*earlier, step):
+        write_checkpoint(path / "checkpoints" / f"step_{saved:06d}")
     (path / "trainer_state.json").write_text(
         json.dumps({"step": step, "checkpoint": f"checkpoints/step_{step:06d}"}))
     (path / "metrics.jsonl").write_text(
@@ -77,10 +80,62 @@ def test_a_bad_state_file_is_named(tmp_path, text, message):
         run.claim(resume=True, steps=8)
 
 
-def test_resume_without_a_state_file(tmp_path):
-    with pytest.raises(ValueError, match=r"--resume: no trainer_state.json in .*; nothing to "
-                                         r"resume from"):
-        RunDirectory(tmp_path).claim(resume=True, steps=8)
+def crashed_before_its_first_checkpoint(path):
+    """What a run killed in step 3 before any save leaves."""
+    (path / "logs").mkdir(parents=True)
+    (path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"st')
+    (path / "checkpoints" / "step_000002.partial").mkdir(parents=True)
+    (path / "config.yaml").write_text("run: {}\n")
+    return RunDirectory(path)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_that_crashed_before_its_first_checkpoint_is_started_over(tmp_path, resume):
+    run = crashed_before_its_first_checkpoint(tmp_path)
+    assert run.claim(resume=resume, steps=8) is None
+    assert run.leftovers() == ["metrics.jsonl (3 rows)", "checkpoints/step_000002.partial",
+                               "config.yaml"]
+    run.prepare_resume(None)
+    assert run.metrics_file.read_text() == ""
+    assert not (tmp_path / "checkpoints" / "step_000002.partial").exists()
+    assert run.leftovers() == ["config.yaml"]  # rewritten by the new run
+
+
+def test_a_truncated_shard_falls_back_to_the_previous_checkpoint(tmp_path):
+    run = finished_run(tmp_path, step=4, earlier=(2,))
+    shard = tmp_path / "checkpoints" / "step_000004" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with shard.open("r+b") as file:
+        file.truncate(size - 100)
+    state = run.claim(resume=True, steps=8)
+    assert (state.step, state.checkpoint) == (2, tmp_path / "checkpoints" / "step_000002")
+    assert state.passed_over == (f"{shard} is truncated: {size - 100} bytes, the checkpoint's "
+                                 f"index needs {size}")
+    # With no whole checkpoint left, every broken file is named.
+    (tmp_path / "checkpoints" / "step_000002" / ".metadata").write_bytes(b"\x80\x04trunc")
+    with pytest.raises(ValueError) as error:
+        run.claim(resume=True, steps=8)
+    assert str(error.value).startswith(
+        f"--resume: no readable checkpoint in '{tmp_path}': {shard} is truncated: "
+        f"{size - 100} bytes, the checkpoint's index needs {size}; "
+        f"{tmp_path / 'checkpoints' / 'step_000002' / '.metadata'} is unreadable (")
+    assert str(error.value).endswith("; restore the files, or start a new run")
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("metadata.json", "{dir}/metadata.json is missing"),
+    (".metadata", "{dir}/.metadata is missing"),
+    ("__0_0.distcp", "{dir}/__0_0.distcp is missing (the checkpoint's index names it)"),
+])
+def test_a_missing_checkpoint_file_is_named(tmp_path, damage, message):
+    from mcore_refit.files import CorruptFile, check_distributed_checkpoint
+
+    directory = write_checkpoint(tmp_path / "step_000002")
+    check_distributed_checkpoint(directory)
+    (directory / damage).unlink()
+    with pytest.raises(CorruptFile) as error:
+        check_distributed_checkpoint(directory)
+    assert str(error.value) == message.format(dir=directory)
 
 
 def test_resume_forgets_rows_after_the_checkpoint_and_partial_checkpoints(tmp_path):
@@ -92,3 +147,58 @@ def test_resume_forgets_rows_after_the_checkpoint_and_partial_checkpoints(tmp_pa
     steps = [json.loads(line)["step"] for line in run.metrics_file.read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004"]
+
+
+@pytest.fixture
+def one_rank():
+    """The control group of a one-rank gloo job (this process)."""
+    import torch.distributed as dist
+
+    from mcore_refit.control import ControlGroup
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield ControlGroup(None, timeout_s=30)
+    finally:
+        dist.destroy_process_group()
+
+
+class SavingPolicy:
+    """Writes a small checkpoint where the run directory asks, or fails as told."""
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def save_checkpoint(self, path):
+        if self.error is not None:
+            raise self.error
+        write_checkpoint(path)
+
+
+def test_saves_keep_the_newest_checkpoints_and_leave_later_attempts(tmp_path, one_rank):
+    run = RunDirectory(tmp_path)
+    write_checkpoint(tmp_path / "checkpoints" / "step_000009")  # an earlier attempt's
+    for step in (2, 4, 6):
+        run.save_checkpoint(SavingPolicy(), step=step, extra={}, control=one_rank, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_000004", "step_000006", "step_000009"]
+    assert json.loads(run.state_file.read_text())["checkpoint"] == "checkpoints/step_000006"
+    run.save_checkpoint(SavingPolicy(), step=8, extra={}, control=one_rank, keep=1)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_000008", "step_000009"]
+
+
+def test_a_failed_save_names_the_checkpoint_on_every_rank(tmp_path, one_rank):
+    import errno
+
+    from mcore_refit.control import RankFailure
+
+    run = RunDirectory(tmp_path)
+    full = SavingPolicy(OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(RankFailure) as error:
+        run.save_checkpoint(full, step=2, extra={}, control=one_rank, keep=2)
+    partial = tmp_path / "checkpoints" / "step_000002.partial"
+    assert str(error.value).startswith(
+        f"the checkpoint of step 2 failed on trainer rank 0: OSError: [Errno 28] no space left "
+        f"on device writing {partial}\n")
+    assert not run.state_file.exists()

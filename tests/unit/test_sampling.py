@@ -133,3 +133,14 @@ def test_a_tokenizer_without_pad_token_pads_with_eos():
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="the tokenizer in x has neither a pad token nor an eos"):
         pad_token_id(tokenizer, where="x")
+
+
+def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused(engine):
+    prompt = "1+" * 126 + "1="  # 254 characters, one token each, of 256 positions
+    with pytest.raises(ValueError) as error:
+        engine.generate(["1+1=", prompt], num_samples=1, sampling=SamplingConfig(max_new_tokens=4))
+    assert str(error.value) == (
+        f"a prompt ({prompt[:60]!r}…) is 254 tokens; with inference.sampling.max_new_tokens=4 "
+        "it needs 258 positions, more than the model's 256 (max_position_embeddings): shorten "
+        "the prompts or lower inference.sampling.max_new_tokens")
+    engine.generate([prompt], num_samples=1, sampling=SamplingConfig(max_new_tokens=2))

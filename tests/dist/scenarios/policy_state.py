@@ -4,7 +4,9 @@
 Offload/onload and checkpoint save/load against an uninterrupted run, per case (layout, dtype,
 optimizer). For each case three policies train the same three steps:
 
-- ``straight``: steps 0, 1, saves a checkpoint, step 2;
+- ``straight``: steps 0, 1, two steps refused (a NaN loss; an infinite gradient norm under a
+  finite loss), saves a checkpoint, step 2 (the refused steps must change nothing the other
+  runs would see);
 - ``offload``: step 0, reference logprobs, offload, onload, steps 1, 2 (exports before offload
   and after onload);
 - ``resumed``: a fresh policy loads the checkpoint, then step 2.
@@ -31,6 +33,8 @@ from policy_common import (
 )
 
 from mcore_refit import distributed
+from mcore_refit.losses import CrossEntropyLoss, LossOutput, count_tokens, masked_sum
+from mcore_refit.numerics import NonFiniteError
 
 # case -> (layout, dtype, distributed optimizer)
 CASES = {
@@ -55,14 +59,51 @@ def train(policy, seeds, device) -> list[dict]:
     return [metrics_dict(policy.train_step(make_batch(seed, device=device))) for seed in seeds]
 
 
+class NanLoss(CrossEntropyLoss):
+    """Cross entropy times NaN."""
+
+    def __call__(self, logprobs, micro_batch):
+        output = super().__call__(logprobs, micro_batch)
+        return LossOutput(loss_sum=output.loss_sum * float("nan"),
+                          num_tokens=output.num_tokens, metrics=output.metrics)
+
+
+class InfiniteGradient(CrossEntropyLoss):
+    """A loss of 0 whose gradient is infinite: sqrt(x − x) at x = logprobs."""
+
+    def __call__(self, logprobs, micro_batch):
+        mask = micro_batch["loss_mask"]
+        loss_sum = masked_sum(torch.sqrt(logprobs - logprobs.detach()), mask)
+        return LossOutput(loss_sum=loss_sum, num_tokens=count_tokens(mask),
+                          metrics={"nll": loss_sum.detach().clone()})
+
+
+def refused_steps(policy, device) -> dict:
+    """Steps the non-finite guard must stop before the update: their messages, and whether the
+    weights and the step count stayed as they were."""
+    before, step = exported(policy), policy.step
+    messages = {}
+    for name, loss_fn in (("loss", NanLoss()), ("grad_norm", InfiniteGradient())):
+        try:
+            policy.train_step(make_batch(SEEDS[1], device=device), loss_fn=loss_fn)
+            messages[name] = None
+        except NonFiniteError as error:
+            messages[name] = str(error)
+    after = exported(policy)
+    return {"messages": messages, "step_unchanged": policy.step == step,
+            "weights_unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
 def run_straight(case, hf_path, checkpoint_dir, device) -> dict:
     policy = build(case, hf_path, device)
     try:
         steps = train(policy, SEEDS[:2], device)
+        refused = refused_steps(policy, device)
         policy.save_checkpoint(checkpoint_dir)
         steps += train(policy, SEEDS[2:], device)
         eval_batch = make_batch(EVAL_SEED, device=device)
         return {"steps": steps, "weights": exported(policy), "step": policy.step,
+                "refused": refused,
                 "logprobs": policy.logprobs(eval_batch).cpu(),
                 "reference_logprobs": policy.reference_logprobs(eval_batch).cpu()}
     finally:
