@@ -15,6 +15,7 @@ into their own top-level dataclass and call :func:`load_config`; nothing else pa
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import re
 import types
 import typing
@@ -232,7 +233,8 @@ def load_config[T](cls: type[T], path: str | Path | None = None,
     """Read YAML from ``path`` (or start from ``cls``'s defaults), apply overrides, build ``cls``.
 
     Overrides are ``dotted.key=value`` strings; the value is parsed as YAML (``3``, ``true``,
-    ``null``, ``[1, 2]``).
+    ``null``, ``[1, 2]``). Numbers in exponent notation (``1e-5``, ``1E5``) are numbers wherever a
+    key is typed as one, in the file and in overrides (YAML 1.2's reading, not PyYAML's 1.1).
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -306,7 +308,11 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: '{part}' is not a config section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw)
+    try:
+        node[parts[-1]] = yaml.load(raw, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
+    except yaml.MarkedYAMLError as error:
+        problem = " ".join(part for part in (error.context, error.problem) if part)
+        raise ConfigError(f"override {override!r}: {problem}") from None
 
 
 def _join(path: str, name: str) -> str:
@@ -353,10 +359,14 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
         return value
     if hint is int:
+        if isinstance(value, str) and _EXPONENT_NUMBER.match(value):
+            value = _exact_int(value, key)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str) and _EXPONENT_NUMBER.match(value):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
         return float(value)
@@ -365,6 +375,22 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
         return value
     raise TypeError(f"config key '{key}': unsupported annotation {hint!r}")
+
+
+# The numbers YAML 1.2 reads as floats that PyYAML's YAML 1.1 leaves as strings: a mantissa
+# without a dot or an exponent without a sign (``1e-5``, ``2E3``, ``1e5``; YAML 1.1 wants
+# ``1.0e-5``). Only a field typed as a number reads them as one; a string field keeps the text.
+_EXPONENT_NUMBER = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+
+
+def _exact_int(text: str, key: str) -> int:
+    """``1e5`` for an integer key: the integer it denotes exactly, or an error (``1.5e0``)."""
+    number = decimal.Decimal(text)
+    if number.adjusted() > 18:  # int() of 1e999999999 would build a billion digits
+        raise ConfigError(f"config key '{key}' must be an integer, got {text!r} (too large)")
+    if number != number.to_integral_value():
+        raise ConfigError(f"config key '{key}' must be an integer, got {text!r} (= {number:f})")
+    return int(number)
 
 
 def _require_positive(key: str, value: int) -> None:

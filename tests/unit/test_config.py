@@ -87,6 +87,45 @@ def layout_error(parallel, world_size=2, layers=8, heads=4, groups=2, experts=No
     return str(error.value)
 
 
+def test_numbers_in_exponent_notation_wherever_a_number_is_typed(tmp_path):
+    """YAML 1.1 (PyYAML) reads ``1e-5`` and ``2E3`` as strings; a key typed as a number takes
+    them as YAML 1.2 does, in the file and on the command line; a string key keeps the text."""
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  hf_path: 1e5\n  moe_aux_loss_coeff: 2e-3\n"
+                    "learning_rates: [1e-5, 1E5, .5e1, -3.e+2]\n")
+    config = load_config(JobConfig, path, ["seed=1e3"])
+    assert config.model.moe_aux_loss_coeff == 2e-3
+    assert config.model.hf_path == "1e5"
+    assert config.learning_rates == [1e-5, 1e5, 5.0, -300.0]
+    assert config.seed == 1000 and type(config.seed) is int
+    grpo = load_config(GRPOJobConfig, CONFIGS / "grpo_tiny_cpu_colocated.yaml",
+                       ["policy.optimizer.lr=1e-5", "policy.optimizer.adam_eps=1E-8",
+                        "run.steps=2e1"])
+    assert grpo.policy.optimizer.lr == 1e-5
+    assert grpo.policy.optimizer.adam_eps == 1e-8
+    assert grpo.run.steps == 20
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("1.5e0", "config key 'seed' must be an integer, got '1.5e0' (= 1.5)"),
+    ("1e-1", "config key 'seed' must be an integer, got '1e-1' (= 0.1)"),
+    ("1e30", "config key 'seed' must be an integer, got '1e30' (too large)"),
+    ("'2'", "config key 'seed' must be an integer, got '2'"),
+    ("1e", "config key 'seed' must be an integer, got '1e'"),
+])
+def test_an_integer_key_takes_exponent_notation_only_when_exact(value, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(JobConfig, None, ["model.hf_path=/c", f"seed={value}"])
+    assert str(error.value) == message
+
+
+def test_a_bad_override_value_names_the_override():
+    with pytest.raises(ConfigError) as error:
+        load_config(JobConfig, None, ["seed=[1,"])
+    assert str(error.value) == ("override 'seed=[1,': while parsing a flow node expected the "
+                                "node content, but found '<stream end>'")
+
+
 def test_expert_layouts_rejected_before_building():
     assert layout_error(ParallelConfig(expert=2), world_size=3, experts=8) == (
         "world size 3 is not divisible by parallel.tensor × parallel.pipeline × "
