@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_refit.processes import PeerWatch, ProcessIdentity, Terminated
+from mcore_refit.processes import Interrupted, PeerWatch, ProcessIdentity, Terminated
 
 # Error text travels in full up to this many characters (the tail is kept: it has the cause).
 MAX_ERROR_CHARS = 16384
@@ -295,7 +295,8 @@ class ControlGroup:
         except Terminated as stopped:
             # Raised where the slice's own timeout was being handled: that is no failure.
             stopped.__context__ = None
-            self._raise_if_peer_died(what, grace_s=0.5, cause=stopped)
+            if not isinstance(stopped, Interrupted):  # peers that exit then are no cause
+                self._raise_if_peer_died(what, grace_s=0.5, cause=stopped)
             raise
 
     def _raise_if_peer_died(self, what: str, *, grace_s: float = 0.0,
@@ -332,26 +333,28 @@ def raise_dead_peer_first(peers: PeerWatch | None, error: BaseException) -> None
     - an error that only followed from a broken wait or a stop (:func:`is_consequential`: a
       :class:`ControlError`, a timeout, ``Terminated``, a collective whose connection a peer
       closed) raised while this rank unwound from an error that names its cause (a
-      :class:`PeerDied`, a :class:`RankFailure`, a rank's own exception): the earliest such;
-      a :class:`PeerDied` raised while unwinding from an earlier one (or a ``RankFailure``):
-      that one;
-    - otherwise, a consequential error: :class:`PeerDied` naming a dead process of the job, if
-      one is found within half a second.
+      :class:`PeerDied`, a :class:`RankFailure`, a rank's own exception) or from an
+      ``Interrupted``: the earliest such; a :class:`PeerDied` raised while unwinding from an
+      earlier one (or a ``RankFailure``, or an ``Interrupted``): that one;
+    - otherwise, a consequential error other than ``Interrupted``: :class:`PeerDied` naming a
+      dead process of the job, if one is found within half a second.
 
     Errors that name their cause are left as they are: after a shared failure every rank
-    exits, so a peer found gone then is no cause.
+    exits, so a peer found gone then is no cause; nor is one found after an interrupt, which
+    stops every rank at once.
     """
     if not isinstance(error, PeerDied) and not is_consequential(error):
         return
     earliest, context = None, error.__context__
     while context is not None and context is not error:
-        if (isinstance(context, (PeerDied, RankFailure)) if isinstance(error, PeerDied)
+        if isinstance(context, Interrupted) or (
+                isinstance(context, (PeerDied, RankFailure)) if isinstance(error, PeerDied)
                 else not is_consequential(context)):
             earliest = context
         context = context.__context__
     if earliest is not None:
         raise earliest from None  # its traceback, without what followed it
-    if peers is None or isinstance(error, PeerDied):
+    if peers is None or isinstance(error, (PeerDied, Interrupted)):
         return
     dead = peers.first_dead(grace_s=0.5)
     if dead is not None:

@@ -6,33 +6,46 @@ so a dead process is never mistaken for a live one. Other hosts' processes canno
 from here; :meth:`ProcessIdentity.gone` answers None for them (unknown), and the caller relies on
 its connection to that peer breaking.
 
-:func:`stop_on_sigterm` turns the launcher's SIGTERM (torchrun sends it to every rank when one
-rank failed) into a :class:`Terminated` exception, so a rank unwinds — closes its engine,
-removes its IPC files, reports what it knows — instead of vanishing; :func:`exit_after` then
-ends a failed rank at once.
+A stop signal becomes an exception (see :mod:`mcore_refit.interrupts`), so a rank unwinds —
+closes its engine, removes its IPC files, reports what it knows — instead of vanishing:
+:class:`Terminated` when the launcher stops the survivors of a failure, :class:`Interrupted`
+when nothing failed. :func:`exit_after` then ends the rank at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
 
 class Terminated(BaseException):
-    """This process was asked to stop (SIGTERM), usually because another rank of the job failed.
+    """This process was asked to stop by a signal: the launcher's SIGTERM once another rank of
+    the job failed, or, as the subclass :class:`Interrupted`, a stop with no failure behind it.
 
     A ``BaseException``: it passes ``except Exception`` handlers that would otherwise report it
     as the failure of whatever was running.
     """
+
+
+class Interrupted(Terminated):
+    """This process was stopped though nothing had failed: the user's SIGINT or SIGTERM, or its
+    launcher's death. Not a failure of the job: the process exits with ``128 + signum`` and one
+    line saying so, no traceback."""
+
+    def __init__(self, message: str, *, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 @dataclass(frozen=True)
@@ -110,27 +123,6 @@ def _stat_fields(pid: int) -> list[bytes]:
     return data[data.rindex(b")") + 2:].split()
 
 
-@contextlib.contextmanager
-def stop_on_sigterm() -> Iterator[None]:
-    """Inside the block, SIGTERM raises :class:`Terminated` in the main thread (once; a second
-    SIGTERM while unwinding is ignored, so clean-up finishes). Restores the old handler."""
-    raised = False
-
-    def handler(signum, frame) -> None:
-        nonlocal raised
-        if raised:
-            return
-        raised = True
-        raise Terminated("this rank was stopped by SIGTERM (the launcher stops every rank once "
-                         "one has failed)")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -176,11 +168,18 @@ def exit_after(main: Callable[[], int]) -> NoReturn:
     """Run ``main`` as a process's entry point and exit with its code. If it raises, print the
     traceback and leave at once (``os._exit``): a failed rank skips the interpreter's clean-up
     (seconds of module teardown, destructors of process groups whose peers are gone), so the
-    launcher sees the failure, and stops the other ranks, without delay."""
+    launcher sees the failure, and stops the other ranks, without delay. An
+    :class:`Interrupted` (reported where it was raised) leaves without a traceback, with
+    ``128 + signum``."""
     try:
         code = main()
     except SystemExit:
         raise
+    except Interrupted as interrupted:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(interrupted.exit_code)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()

@@ -18,13 +18,16 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mcore_refit.config import load_config
-from mcore_refit.grpo import job
-from mcore_refit.grpo.config import GRPOJobConfig
+# Only the standard library before the stop signals are taken over (torch takes seconds to
+# import): an interrupt during the start-up ends the rank at once.
+from mcore_refit.interrupts import StopSignals
 from mcore_refit.launch import LaunchError, TorchrunRanks
-from mcore_refit.logs import configure_logging
-from mcore_refit.processes import exit_after, stop_on_sigterm
+from mcore_refit.processes import exit_after
+
+if TYPE_CHECKING:
+    from mcore_refit.grpo.config import GRPOJobConfig
 
 LAUNCH = "torchrun --standalone --nproc-per-node N recipes/grpo.py --config configs/X.yaml"
 
@@ -36,39 +39,53 @@ def main(argv: list[str]) -> int:
                         help="continue from the latest checkpoint in run.output_dir")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
-
-    config = load_config(GRPOJobConfig, args.config, args.overrides)
     try:
         ranks = TorchrunRanks.from_environment(os.environ, command=LAUNCH)
     except LaunchError as error:
         parser.error(str(error))
     rank, world_size = ranks.rank, ranks.world_size
-    # One writer per run directory: a second run is refused here, before the start-up.
-    with job.lock_run_directory(config, rank=rank, job_id=_job_id(ranks)) as run_lock:
-        job.validate_launch(config, world_size=world_size, resume=args.resume)
-        configure_logging(rank=rank,
-                          log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
-        run_lock.log_replaced()
-        summary = _run(config, ranks, resume=args.resume)
+    # SIGINT/SIGTERM at any moment: unwind (engines stopped, IPC files removed) within seconds,
+    # naming the dead rank when torchrun stops the survivors of a failure, else saying that the
+    # run was interrupted; and stop when the torchrun agent dies.
+    with StopSignals(announce=rank == 0) as stops:
+        from mcore_refit.config import load_config
+        from mcore_refit.grpo import job
+        from mcore_refit.grpo.config import GRPOJobConfig
+        from mcore_refit.logs import configure_logging
+
+        # A reward module the config names (task.reward: my_pkg.rewards:score) imports from
+        # the working directory, as under `python -m`: Python put this script's folder on the
+        # path, not the working directory. After that folder, before the installed packages.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(1, os.getcwd())
+        config = load_config(GRPOJobConfig, args.config, args.overrides)
+        # One writer per run directory: a second run is refused here, before the start-up.
+        with job.lock_run_directory(config, rank=rank, job_id=_job_id(ranks)) as run_lock:
+            job.validate_launch(config, world_size=world_size, resume=args.resume)
+            configure_logging(rank=rank,
+                              log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
+            run_lock.log_replaced()
+            summary = _run(config, ranks, resume=args.resume, stops=stops)
     if rank == 0:
         print(json.dumps(summary), flush=True)
     return 0
 
 
-def _run(config: GRPOJobConfig, ranks: TorchrunRanks, *, resume: bool) -> dict | None:
+def _run(config: GRPOJobConfig, ranks: TorchrunRanks, *, resume: bool,
+         stops: StopSignals) -> dict | None:
+    from mcore_refit.grpo import job  # imported by main, once the stop signals were taken
+
     rank, world_size = ranks.rank, ranks.world_size
-    # torchrun stops every rank with SIGTERM once one failed: unwind (engines stopped, IPC files
-    # removed) and name the dead rank, rather than vanish.
-    with stop_on_sigterm():
-        if config.refit.mode == "colocated":
-            return job.run_colocated(config, rank=rank, world_size=world_size,
-                                     local_rank=ranks.local_rank,
-                                     local_world_size=ranks.local_world_size,
-                                     job_id=_job_id(ranks), resume=resume)
-        return job.run_non_colocated(config, rank=rank, world_size=world_size,
-                                     local_rank=ranks.local_rank,
-                                     local_world_size=ranks.local_world_size, resume=resume,
-                                     store_host=ranks.master_addr, store_port=ranks.master_port)
+    if config.refit.mode == "colocated":
+        return job.run_colocated(config, rank=rank, world_size=world_size,
+                                 local_rank=ranks.local_rank,
+                                 local_world_size=ranks.local_world_size,
+                                 job_id=_job_id(ranks), resume=resume, stops=stops)
+    return job.run_non_colocated(config, rank=rank, world_size=world_size,
+                                 local_rank=ranks.local_rank,
+                                 local_world_size=ranks.local_world_size, resume=resume,
+                                 store_host=ranks.master_addr, store_port=ranks.master_port,
+                                 stops=stops)
 
 
 def _job_id(ranks: TorchrunRanks) -> str:

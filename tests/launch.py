@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# An environment variable that marks every process of one launch (see launched_processes).
+LAUNCH_TAG = "MCORE_REFIT_TEST_LAUNCH"
 
 
 def free_port() -> int:
@@ -113,3 +115,21 @@ def last_json_line(stdout: str) -> dict:
     if not lines:
         raise AssertionError("no output")
     return json.loads(lines[-1])
+
+
+def launched_processes(tag):
+    """Pids of the live processes whose environment carries ``LAUNCH_TAG=tag`` (a launch's
+    torchrun and everything it started, orphans included)."""
+    needle = f"{LAUNCH_TAG}={tag}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                status = (entry / "status").read_text()
+                if "\nState:\tZ" not in status:
+                    pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids

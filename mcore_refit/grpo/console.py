@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,9 @@ class Console:
         self._enabled = enabled
         self._bar = None
         if enabled:
+            # One process writes the bar: a thread lock, not tqdm's default multiprocessing one
+            # (a semaphore whose leak the resource tracker reports when a rank exits at once).
+            tqdm.set_lock(threading.RLock())
             self._bar = tqdm(total=total, initial=initial, desc="grpo", unit="step",
                              dynamic_ncols=True, file=sys.stderr)
 

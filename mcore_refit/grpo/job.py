@@ -23,6 +23,7 @@ from mcore_refit.grpo.rundir import RunDirectory
 from mcore_refit.grpo.runlock import RunLock
 from mcore_refit.grpo.tasks import build_task
 from mcore_refit.inference.engine import pad_token_id
+from mcore_refit.interrupts import StopSignals
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
 
@@ -104,13 +105,17 @@ def _engines_come_from(config: GRPOJobConfig) -> str:
 
 
 def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
-                  local_world_size: int, job_id: str, resume: bool) -> dict:
-    """Every rank trains and refits an engine process on its own device."""
+                  local_world_size: int, job_id: str, resume: bool,
+                  stops: StopSignals | None = None) -> dict:
+    """Every rank trains and refits an engine process on its own device. ``stops``: this
+    process's stop signals, told the job's processes once they are known."""
     context = distributed.init_distributed(rank=rank, world_size=world_size,
                                            local_rank=local_rank,
                                            local_world_size=local_world_size,
                                            timeout_s=config.collective_timeout_s,
                                            liveness_s=config.refit.transport.liveness_s)
+    if stops is not None:
+        stops.watch(context.peers)
     failed = True
     try:
         policy, pad_token_id = build_trainer(config, context.device)
@@ -131,14 +136,17 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
 
 def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
                       local_world_size: int, resume: bool, store_host: str,
-                      store_port: int) -> dict | None:
-    """The last ``inference.num_ranks`` ranks serve inference; the others train and refit them."""
+                      store_port: int, stops: StopSignals | None = None) -> dict | None:
+    """The last ``inference.num_ranks`` ranks serve inference; the others train and refit them
+    (``stops`` as in :func:`run_colocated`)."""
     job = distributed.init_split_job(rank=rank, world_size=world_size, local_rank=local_rank,
                                      local_world_size=local_world_size,
                                      num_inference_ranks=config.inference.num_ranks,
                                      store_host=store_host, store_port=store_port,
                                      timeout_s=config.collective_timeout_s,
                                      liveness_s=config.refit.transport.liveness_s)
+    if stops is not None:
+        stops.watch(job.context.peers)
     failed = True
     try:
         if not job.is_trainer:

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
+from mcore_refit.interrupts import reference, resolve, run_child
 from mcore_refit.logs import configure_logging, logging_arguments
 from mcore_refit.processes import ProcessIdentity
 from mcore_refit.refit.config import TransportOptions
@@ -78,8 +79,12 @@ class EngineProcess:
         self._conn, child_conn = context.Pipe()
         self._timeout_s = timeout_s
         self._pending: str | None = None
-        self._process = context.Process(target=_serve,
-                                        args=(server or InferenceServer,
+        # The engine dies with the trainer; the launcher's SIGINT or SIGTERM, which reaches it
+        # too (it signals the rank's process group), it ignores: the trainer stops its engine.
+        # run_child sets both up before the engine imports torch (its arguments are plain data).
+        self._process = context.Process(target=run_child,
+                                        args=(os.getpid(), reference(_serve),
+                                              reference(server or InferenceServer),
                                               json.dumps(spec.to_json()), child_conn,
                                               logging_arguments()),
                                         daemon=True, name=f"mcore_refit-engine-{spec.device}")
@@ -234,21 +239,22 @@ def _plain(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 # --- the engine process ----------------------------------------------------------------------
 
-def _serve(server_class: type, spec_json: str, conn, logging_kwargs: dict | None) -> None:
-    """Engine process main loop: build, then answer commands until shutdown. Exits at once if
-    the trainer that spawned it dies, whatever it is doing (see :func:`_exit_with_parent`).
+def _serve(server_ref: str, spec_json: str, conn, logging_kwargs: dict | None) -> None:
+    """Engine process main loop (under :func:`~mcore_refit.interrupts.run_child`): build the
+    ``server_ref`` class (a :func:`~mcore_refit.interrupts.reference`), then answer commands
+    until shutdown. Exits at once if the trainer that spawned it dies, whatever it is doing.
     Logs where the trainer logs (``logging_kwargs``: its :func:`configure_logging` call)."""
-    _exit_with_parent(interval_s=json.loads(spec_json).get("transport", {}).get("liveness_s",
-                                                                               2.0))
+    _exit_with_parent(interval_s=json.loads(spec_json).get(
+        "transport", {}).get("liveness_s", 2.0))
     if logging_kwargs is not None:
         configure_logging(**logging_kwargs, process="engine")
     # tqdm (transformers' loading bar) guards its bars with a multiprocessing lock by default, a
     # named semaphore that only an interpreter's normal exit unlinks; this process leaves with
-    # os._exit, and the resource tracker then reports a "leaked semaphore". It starts no
-    # processes that draw bars: a thread lock serves.
+    # os._exit (or is killed with its trainer), and the resource tracker then reports a "leaked
+    # semaphore". It starts no processes that draw bars: a thread lock serves.
     tqdm.set_lock(threading.RLock())
     try:
-        server = server_class(json.loads(spec_json))
+        server = resolve(server_ref)(json.loads(spec_json))
     except BaseException as error:
         conn.send_bytes(encode_failure(error))
         return
@@ -274,8 +280,9 @@ def _serve(server_class: type, spec_json: str, conn, logging_kwargs: dict | None
 
 
 def _exit_with_parent(*, interval_s: float) -> None:
-    """Start a thread that ends this process once its parent (the trainer) is gone: checked
-    every ``interval_s`` (the parent's identity, so a reused pid does not fool it)."""
+    """Besides the parent-death signal (Linux; see ``run_child``), a thread that ends this
+    process once its parent (the trainer) is gone: checked every ``interval_s`` (the parent's
+    identity, so a reused pid does not fool it)."""
     parent = ProcessIdentity.of(os.getppid())
 
     def watch() -> None:

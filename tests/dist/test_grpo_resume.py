@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
-from tests.launch import REPO_ROOT, free_port, last_json_line, run_torchrun
+from tests.launch import (
+    LAUNCH_TAG,
+    REPO_ROOT,
+    free_port,
+    last_json_line,
+    launched_processes,
+    run_torchrun,
+)
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 KILL_IN_SAVE = REPO_ROOT / "tests" / "dist" / "scenarios" / "grpo_kill_in_save.py"
@@ -29,7 +36,6 @@ OVERRIDES = {"colocated_offload": ["inference.offload_trainer=true"]}
 REFERENCE = {"colocated_offload": "colocated"}
 # The fault table's bound on the time from the kill to the exit of every rank.
 EXIT_BOUND_S = 15.0
-LAUNCH_TAG = "MCORE_REFIT_TEST_LAUNCH"
 
 
 @pytest.fixture(scope="module")
@@ -108,24 +114,6 @@ def kill_in_save(mode, checkpoint, out, *, kill_at):
     killed = float(marker.read_text())
     print(f"torchrun exited {launcher_exited - killed:.1f} s after the kill")
     return gone - killed, leftovers
-
-
-def launched_processes(tag):
-    """Pids of the live processes whose environment carries ``LAUNCH_TAG=tag`` (a launch's
-    torchrun and everything it started, orphans included)."""
-    needle = f"{LAUNCH_TAG}={tag}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                status = (entry / "status").read_text()
-                if "\nState:\tZ" not in status:
-                    pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
 
 
 @pytest.fixture(scope="module")

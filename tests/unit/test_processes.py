@@ -1,10 +1,7 @@
-"""SIGTERM as an exception, and which error a failing rank reports first."""
+"""Which error a failing rank reports first (stop signals: test_interrupts.py)."""
 
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -21,7 +18,6 @@ from mcore_refit.processes import (
     ProcessIdentity,
     Terminated,
     root_failure,
-    stop_on_sigterm,
 )
 
 
@@ -31,19 +27,6 @@ def dead_watch() -> PeerWatch:
     child.wait()
     return PeerWatch(peers=((0, "trainer rank 0", ProcessIdentity.of()),
                             (1, "trainer rank 1", identity)), interval_s=0.5)
-
-
-def test_sigterm_raises_terminated_once_and_the_old_handler_comes_back():
-    previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(Terminated, match="stopped by SIGTERM"):
-        with stop_on_sigterm():
-            try:
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(5)
-            finally:
-                os.kill(os.getpid(), signal.SIGTERM)  # while unwinding: ignored
-                time.sleep(0.1)
-    assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_a_broken_wait_or_a_stop_blames_the_dead_peer_first():

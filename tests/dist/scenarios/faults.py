@@ -33,7 +33,8 @@ from mcore_refit.config import load_config
 from mcore_refit.grpo import job, rollouts
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.inference.engine import InferenceEngine
-from mcore_refit.processes import exit_after, root_failure, stop_on_sigterm
+from mcore_refit.interrupts import StopSignals
+from mcore_refit.processes import exit_after, root_failure
 
 VERSION = 1  # the refit the fault strikes: the first one after a training step
 PHASES: list[tuple[str, float, float]] = []  # (step of the unwinding, start, end), unix times
@@ -166,12 +167,12 @@ def main() -> int:
     for backend in (rollouts.ColocatedRollouts, rollouts.DedicatedRollouts):
         backend.close = timed("close", backend.close)
     try:
-        with stop_on_sigterm():
+        with StopSignals(announce=rank == 0) as stops:
             if config.refit.mode == "colocated":
                 job.ColocatedRollouts = faulty_colocated(args.fault, args.out)
                 job.run_colocated(config, rank=rank, world_size=world_size, **local,
                                   job_id=args.job_id or f"faults-{os.environ['MASTER_PORT']}",
-                                  resume=False)
+                                  resume=False, stops=stops)
             else:
                 job.DedicatedRollouts = faulty_dedicated(args.fault, args.out)
                 if args.fault == "inference_broadcast":
@@ -179,7 +180,7 @@ def main() -> int:
                 job.run_non_colocated(config, rank=rank, world_size=world_size, **local,
                                       resume=False,
                                       store_host=os.environ["MASTER_ADDR"],
-                                      store_port=int(os.environ["MASTER_PORT"]))
+                                      store_port=int(os.environ["MASTER_PORT"]), stops=stops)
     except BaseException as error:  # Terminated included: report it like any failure
         reported = root_failure(error)  # what the recipe's traceback shows first
         (args.out / f"rank{rank}.json").write_text(json.dumps(

@@ -1,0 +1,103 @@
+"""Stopping a GRPO launch from outside (README, "Faults"): SIGINT or SIGTERM to torchrun during
+the start-up or mid-run, and ``kill -9`` of the torchrun agent. Every process of the launch
+(torchrun, ranks, engines) must be gone within 5 s, with one line saying that the run was
+interrupted and no error blamed on a rank. Each case prints its measured seconds."""
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+from tests.launch import LAUNCH_TAG, REPO_ROOT, launched_processes
+
+RECIPE = REPO_ROOT / "recipes" / "grpo.py"
+COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
+BOUND_S = 5.0
+# Our code's frames in a traceback (torchrun prints its own SignalException's).
+OUR_TRACEBACK = re.compile(r'File ".*/(mcore_refit|recipes)/')
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("interrupts") / "tiny-llama",
+                                 TinyModelSpec(num_layers=4))
+
+
+def stop_launch(checkpoint, out: Path, *, when: str, signum: int) -> tuple[float, str, int]:
+    """Launch the colocated recipe (2 ranks, an engine each), send ``signum`` to torchrun
+    ``when`` ("start-up": every rank has configured its log; "mid-run": a step is done) and
+    return the seconds until every process of the launch was gone, its stderr, and torchrun's
+    pid. Leftovers are killed (and fail the caller's bound)."""
+    tag = uuid.uuid4().hex
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(RECIPE), "--config", str(COLOCATED),
+               f"model.hf_path={checkpoint}", f"run.output_dir={out}", "run.steps=1000",
+               "eval=null", "run.eval_every=0", "grpo.prompts_per_step=4", "grpo.samples_per_prompt=4"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", LAUNCH_TAG: tag}
+    stderr = out.parent / f"{out.name}.stderr"
+    with stderr.open("w") as errors:
+        # A session of its own, as from a terminal: the signal reaches torchrun only.
+        launch = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=errors, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while not _reached(out, when):
+                assert launch.poll() is None, f"the launch ended early:\n{stderr.read_text()}"
+                assert time.monotonic() < deadline, f"never reached {when}"
+                time.sleep(0.05)
+            stopped = time.monotonic()
+            os.kill(launch.pid, signum)
+            while launched_processes(tag) and time.monotonic() - stopped < 60:
+                time.sleep(0.05)
+            seconds = time.monotonic() - stopped
+        finally:
+            for pid in launched_processes(tag):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            launch.kill()
+            launch.wait()
+    return seconds, stderr.read_text(), launch.pid
+
+
+def _reached(out: Path, when: str) -> bool:
+    if when == "start-up":
+        return all((out / "logs" / f"rank{rank}.log").exists() for rank in range(2))
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and metrics.read_text().count("\n") >= 1
+
+
+def check_interrupted(stderr: str, line: str) -> None:
+    said = [text for text in stderr.splitlines() if text.startswith("Interrupted:")]
+    assert said == [line], stderr[-6000:]
+    assert "PeerDied" not in stderr and not OUR_TRACEBACK.search(stderr), stderr[-6000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("when,signum", [("start-up", signal.SIGINT), ("mid-run", signal.SIGINT),
+                                         ("mid-run", signal.SIGTERM)],
+                         ids=["sigint-start-up", "sigint-mid-run", "sigterm-mid-run"])
+def test_an_interrupt_ends_every_process_with_one_line(when, signum, checkpoint, tmp_path):
+    seconds, stderr, _ = stop_launch(checkpoint, tmp_path / "run", when=when, signum=signum)
+    name = signal.Signals(signum).name
+    print(f"{name} to torchrun {when}: every process gone {seconds:.2f} s later")
+    check_interrupted(stderr, f"Interrupted: the run was stopped by {name}")
+    assert seconds <= BOUND_S
+
+
+@pytest.mark.timeout(600)
+def test_no_process_outlives_a_killed_torchrun_agent(checkpoint, tmp_path):
+    seconds, stderr, agent = stop_launch(checkpoint, tmp_path / "run", when="mid-run",
+                                         signum=signal.SIGKILL)
+    print(f"kill -9 of the torchrun agent mid-run: every process gone {seconds:.2f} s later")
+    check_interrupted(stderr, f"Interrupted: the run was stopped: its launcher (pid {agent} on "
+                              f"{socket.gethostname()}) died")
+    assert seconds <= BOUND_S
