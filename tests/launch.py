@@ -27,9 +27,10 @@ def free_port() -> int:
 def run_torchrun(script: str | Path, *args: str, nproc: int, timeout_s: float,
                  env: dict[str, str] | None = None,
                  standalone: bool = False,
-                 expect_failure: bool = False) -> subprocess.CompletedProcess:
-    """Run ``script`` under torchrun with ``nproc`` ranks; raise with its output on failure
-    (with ``expect_failure``, when it succeeds instead).
+                 expect_failure: bool = False,
+                 cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun with ``nproc`` ranks in ``cwd``; raise with its output on
+    failure (with ``expect_failure``, when it succeeds instead).
 
     The rendezvous is on a free port, or, with ``standalone``, torchrun's own ``--standalone``
     (it picks a free port and a unique run id itself, as ``make demo`` does).
@@ -38,7 +39,7 @@ def run_torchrun(script: str | Path, *args: str, nproc: int, timeout_s: float,
                   else ["--master-addr=127.0.0.1", f"--master-port={free_port()}"])
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                *rendezvous, str(script), *args]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
+    process = subprocess.Popen(command, cwd=cwd, env=_env(env), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     return _finish(process, command, timeout_s, expect_failure=expect_failure)
 

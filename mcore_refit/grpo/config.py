@@ -166,6 +166,10 @@ class RunConfig:
     log_every: int = 10
     # Write output_dir/metrics.png (reward, refit time, mult_err per step) when the run ends.
     plot: bool = True
+    # Seconds one call of a user's function (task.reward, eval.reward) may take: past it the
+    # rank reports the function and its input, and exits; the job fails naming it. null: no
+    # bound.
+    callback_timeout_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -182,6 +186,9 @@ class RunConfig:
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ConfigError(f"`keep_checkpoints` must be ≥ 1 or null, got "
                               f"{self.keep_checkpoints}")
+        if self.callback_timeout_s is not None and not self.callback_timeout_s > 0:
+            raise ConfigError(f"`callback_timeout_s` must be > 0 or null, got "
+                              f"{self.callback_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from mcore_refit.config import ConfigError
+from mcore_refit.grpo.callbacks import CallbackWatchdog
 from mcore_refit.grpo.config import EvalConfig, GRPOJobConfig
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
 from mcore_refit.grpo.tasks import Problem, build_task, load_jsonl_problems
 
+# A few of each evaluation's completions (prompt, completion, reward) go to the metrics and the
+# terminal under this key.
+SAMPLES_KEY = "eval/samples"
+NUM_SAMPLES = 3
 # Offsets the eval set's seed from the training task's, so an arithmetic eval set is not the
 # first prompts the training run sees.
 EVAL_SEED_OFFSET = 7919
@@ -22,13 +28,18 @@ class Evaluator:
     """The validation set and how to score it; :meth:`evaluate` is a collective over the trainer
     ranks (it calls the rollouts backend's ``generate``)."""
 
-    def __init__(self, config: GRPOJobConfig) -> None:
+    def __init__(self, config: GRPOJobConfig, *, watchdog: CallbackWatchdog | None = None) -> None:
+        """``watchdog`` bounds the reward function's calls."""
         assert config.eval is not None
         eval_config: EvalConfig = config.eval
         self.problems = draw_eval_set(eval_config, seed=config.run.seed + EVAL_SEED_OFFSET,
                                       hf_path=config.model.hf_path)
+        key = "eval.reward" if eval_config.reward is not None else "task.reward"
         reward = eval_config.reward if eval_config.reward is not None else config.task.reward
         self._reward = resolve_reward(reward)
+        if watchdog is not None:
+            self._reward = watchdog.bound(self._reward,
+                                          name=f"the reward function {key}={reward!r}")
         self._truncated_penalty = config.grpo.truncated_penalty
         self._sampling = dataclasses.replace(config.inference.sampling, greedy=True)
 
@@ -52,14 +63,25 @@ class Evaluator:
             "eval/accuracy": sum(r >= 1.0 for r in rewards) / num,
             "eval/truncated_fraction": sum(not c.stopped for c in completions) / num,
             "eval/completion_tokens_mean": sum(len(c.token_ids) for c in completions) / num,
+            # What the model writes, on the same first problems at every evaluation.
+            SAMPLES_KEY: [{"prompt": problem.prompt, "completion": completion.text,
+                           "reward": reward}
+                          for problem, completion, reward in zip(
+                              self.problems[:NUM_SAMPLES], completions, rewards)],
         }
 
 
 def draw_eval_set(config: EvalConfig, *, seed: int, hf_path: str) -> list[Problem]:
     """The fixed list of validation problems ``config`` describes."""
     task = build_task(config, seed=seed, hf_path=hf_path)
-    if config.num_problems is not None:
+    if config.kind != "jsonl":
         return task.sample(config.num_problems)
-    # Every line once: one epoch of the file.
-    return task.sample(len(load_jsonl_problems(config.path, prompt_key=config.prompt_key,
-                                               answer_key=config.answer_key)))
+    rows = len(load_jsonl_problems(config.path, prompt_key=config.prompt_key,
+                                   answer_key=config.answer_key))
+    if config.num_problems is not None and config.num_problems > rows:
+        # The task would start a second epoch: the same problems scored twice.
+        raise ConfigError(f"`num_problems`={config.num_problems} is more than the {rows} "
+                          f"problems in {config.path}; set it to at most {rows}, or null for "
+                          "every line once")
+    # Every line once (one epoch of the file), or that many of them.
+    return task.sample(rows if config.num_problems is None else config.num_problems)

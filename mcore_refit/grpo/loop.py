@@ -23,6 +23,7 @@ import torch
 
 from mcore_refit.control import ControlGroup
 from mcore_refit.grpo.batch import build_rollout_batch, with_fields
+from mcore_refit.grpo.callbacks import CallbackWatchdog
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.console import Console
 from mcore_refit.grpo.evaluation import Evaluator
@@ -72,8 +73,12 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     task.sample(start_step * config.grpo.prompts_per_step)
     loss_fn = GRPOLoss(clip_low=config.grpo.clip_low, clip_high=config.grpo.clip_high,
                        kl_coef=config.grpo.kl_coef)
-    reward_fn = resolve_reward(config.task.reward)
-    evaluator = Evaluator(config) if config.eval is not None else None
+    # Users' functions: one that hangs ends the run naming itself (run.callback_timeout_s).
+    watchdog = CallbackWatchdog(timeout_s=config.run.callback_timeout_s,
+                                where=f"trainer rank {control.rank}")
+    reward_fn = watchdog.bound(resolve_reward(config.task.reward),
+                               name=f"the reward function task.reward={config.task.reward!r}")
+    evaluator = Evaluator(config, watchdog=watchdog) if config.eval is not None else None
     # On resume, TensorBoard drops the events of the replayed steps instead of showing them twice.
     metrics_writer = MetricsWriter(config, enabled=is_logging_rank,
                                    purge_step=start_step + 1 if state or starts_over else None)
@@ -166,6 +171,8 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     evaluated = {"eval_reward_last": history.eval_rewards[-1]} if history.eval_rewards else {}
     return {
         "steps": config.run.steps - start_step,
+        # --resume: the checkpoint's step this run went on from ("steps" counts those after it).
+        **({"resumed_from_step": start_step} if state else {}),
         "reward_first": history.rewards[0] if history.rewards else float("nan"),
         "reward_last": history.rewards[-1] if history.rewards else float("nan"),
         "refit_s_median": statistics.median(history.refit_s) if history.refit_s else 0.0,
