@@ -17,6 +17,7 @@ import contextlib
 import io
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def configure_logging(*, rank: int, log_file: str | Path | None,
     everything else (other libraries, Python warnings) from ``third_party_console_level``. Lines
     name the rank (and ``process``, for a helper process of the rank such as its engine).
     Calling it again replaces the handlers; :func:`logging_arguments` repeats the call in a
-    spawned child."""
+    spawned child. Progress bars get a thread lock."""
     global _arguments
     _arguments = {"rank": rank, "log_file": None if log_file is None else str(log_file),
                   "console_level": console_level,
@@ -69,6 +70,7 @@ def configure_logging(*, rank: int, log_file: str | Path | None,
     logging.getLogger("mcore_refit").propagate = False
     logging.captureWarnings(True)
     _route_library_loggers()
+    lock_progress_bars_within_the_process()
 
 
 def _route_library_loggers() -> None:
@@ -118,3 +120,14 @@ def output_to_log(source: str) -> Iterator[None]:
 def _writes_to(handler: logging.Handler, streams: tuple) -> bool:
     return (type(handler) is logging.StreamHandler
             and any(handler.stream is stream for stream in streams))
+
+
+def lock_progress_bars_within_the_process() -> None:
+    """Progress bars (ours, transformers' loading bars) lock with a thread lock. tqdm's default
+    adds a multiprocessing lock, a named semaphore that only an interpreter's normal exit
+    unlinks: a rank or an engine that ends at once (an error, an interrupt, its trainer gone)
+    would leave the resource tracker reporting a "leaked semaphore". Neither starts processes
+    that draw bars."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())

@@ -1,16 +1,18 @@
-"""What a GRPO run shows on the terminal (the logging rank's stderr): one progress bar, and a
-summary line every ``run.log_every`` steps. Everything else (per-refit telemetry, library INFO
-lines) goes to ``metrics.jsonl`` and the log files, not here."""
+"""What a GRPO run shows on the terminal (the logging rank's stderr): one progress bar, a
+summary line every ``run.log_every`` steps, and a few sample completions per evaluation.
+Everything else (per-refit telemetry, library INFO lines) goes to ``metrics.jsonl`` and the log
+files, not here."""
 
 from __future__ import annotations
 
 import statistics
 import sys
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from tqdm import tqdm
+
+from mcore_refit.grpo.evaluation import SAMPLES_KEY
 
 EVAL_REWARD = "eval/reward_mean"
 
@@ -28,9 +30,6 @@ class Console:
         self._enabled = enabled
         self._bar = None
         if enabled:
-            # One process writes the bar: a thread lock, not tqdm's default multiprocessing one
-            # (a semaphore whose leak the resource tracker reports when a rank exits at once).
-            tqdm.set_lock(threading.RLock())
             self._bar = tqdm(total=total, initial=initial, desc="grpo", unit="step",
                              dynamic_ncols=True, file=sys.stderr)
 
@@ -50,6 +49,10 @@ class Console:
         self._bar.update(1)
         if self._log_every and record["step"] % self._log_every == 0:
             self._bar.write(self.summary_line(record), file=sys.stderr)
+        for sample in record.get(SAMPLES_KEY, ()):
+            self._bar.write(f"eval step {record['step']}: {sample['prompt']!r} -> "
+                            f"{sample['completion']!r} (reward {sample['reward']:.3f})",
+                            file=sys.stderr)
 
     def summary_line(self, record: Mapping[str, Any]) -> str:
         recent = self._rewards[-self._log_every:] if self._log_every else self._rewards[-1:]

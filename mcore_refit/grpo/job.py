@@ -77,6 +77,8 @@ def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> 
         try:
             draw_eval_set(config.eval, seed=config.run.seed + EVAL_SEED_OFFSET,
                           hf_path=config.model.hf_path)
+        except ConfigError as error:
+            raise error.at("eval") from None
         except (OSError, ValueError) as error:
             raise ConfigError(f"`eval`: {error}") from None
     check_model_and_data(config)

@@ -2,7 +2,8 @@
 
 One writer, on the logging rank (global rank 0), owns every sink. Each step's record is one JSON
 line of ``output_dir/metrics.jsonl`` (flat keys: ``reward_mean``, ``refit_s``,
-``refit/export_s``, ``eval/reward_mean``, ...), the same scalars as TensorBoard events under
+``refit/export_s``, ``eval/reward_mean``, a few ``eval/samples``), the same scalars (and the
+samples as text) as TensorBoard events under
 ``output_dir/tensorboard`` and, with ``run.wandb.project`` set, a wandb run. The run's resolved
 config is written beside them as ``output_dir/config.yaml``.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from mcore_refit.config import save_config, to_dict
 from mcore_refit.files import writing
 from mcore_refit.grpo.config import GRPOJobConfig
+from mcore_refit.grpo.evaluation import SAMPLES_KEY
 from mcore_refit.refit.telemetry import RefitTelemetry
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,16 @@ def refit_metrics(telemetry: RefitTelemetry) -> dict[str, float | int]:
         if data.get(key) is not None:
             record[f"refit/{key}"] = data[key]
     return record
+
+
+def samples_markdown(samples: list[Mapping[str, Any]]) -> str:
+    """Sample completions as a Markdown table (TensorBoard's text tab renders it)."""
+    def cell(text: str) -> str:
+        return repr(text).replace("|", "\\|")
+
+    rows = [f"| {cell(s['prompt'])} | {cell(s['completion'])} | {s['reward']:.3f} |"
+            for s in samples]
+    return "\n".join(["| prompt | completion | reward |", "| --- | --- | --- |", *rows])
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -94,11 +106,21 @@ class MetricsWriter:
         scalars = {key: value for key, value in record.items()
                    if key != "step" and isinstance(value, (int, float))
                    and not isinstance(value, bool)}
+        samples = record.get(SAMPLES_KEY)
         if self._tensorboard is not None:
             for key, value in scalars.items():
                 self._tensorboard.add_scalar(key, value, step)
+            if samples:
+                self._tensorboard.add_text(SAMPLES_KEY, samples_markdown(samples), step)
         if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+            logged = dict(scalars)
+            if samples:
+                import wandb
+
+                logged[SAMPLES_KEY] = wandb.Table(
+                    columns=["prompt", "completion", "reward"],
+                    data=[[s["prompt"], s["completion"], s["reward"]] for s in samples])
+            self._wandb.log(logged, step=step)
 
     def close(self) -> None:
         if self._file is not None:

@@ -11,6 +11,7 @@ chat template when ``task.chat_template`` is set).
 from __future__ import annotations
 
 import json
+import math
 import random
 import string
 from collections.abc import Callable, Mapping
@@ -162,6 +163,10 @@ def load_jsonl_problems(path: str | Path, *, prompt_key: str = "prompt",
         prompt, answer = record.get(prompt_key), record.get(answer_key)
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{where}: '{prompt_key}' must be a non-empty string")
+        if isinstance(answer, float) and not math.isfinite(answer):
+            # Python's json reads NaN and Infinity; as an answer they would become "nan".
+            raise ValueError(f"{where}: '{answer_key}' is {answer}, not a finite number; quote "
+                             "it if that text is the answer")
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str) or not answer:

@@ -155,7 +155,8 @@ def test_resume_after_a_kill_in_a_checkpoint_save_is_bit_identical(mode, checkpo
 
     resumed = run_torchrun(RECIPE, *recipe_args(mode, checkpoint, broken), "--resume",
                            nproc=nproc, timeout_s=540)
-    assert last_json_line(resumed.stdout)["steps"] == 2
+    summary = last_json_line(resumed.stdout)
+    assert (summary["steps"], summary["resumed_from_step"]) == (2, 2)
     assert not (broken / "checkpoints" / "step_000004.partial").exists()
     # Rewards, losses, grad norms, logprob agreement, the greedy evaluation of steps 3 and 4:
     # every row as the uninterrupted run's.

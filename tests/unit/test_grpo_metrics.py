@@ -72,6 +72,45 @@ def test_writer_fills_metrics_jsonl_tensorboard_and_config_yaml(tmp_path):
     assert [(event.step, event.value) for event in events.Scalars("eval/reward_mean")] == [(5, 1.0)]
 
 
+SAMPLES = [{"prompt": "5+7=", "completion": "12", "reward": 1.0},
+           {"prompt": "9+9=", "completion": "1|8", "reward": 0.25}]
+
+
+def test_sample_completions_go_to_metrics_jsonl_tensorboard_wandb_and_the_console(
+        tmp_path, monkeypatch, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kwargs: types.SimpleNamespace(
+        log=lambda data, *, step: logged.append((data, step)), finish=lambda: None)
+    fake.Table = lambda *, columns, data: ("table", columns, data)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = job_config(tmp_path, "run.tensorboard=true", "run.wandb.project=grpo-demo")
+    writer = MetricsWriter(config, enabled=True)
+    row = {**records(5)[-1], "eval/samples": SAMPLES}
+    writer.log(row)
+    writer.close()
+    assert read_metrics(tmp_path) == [row]
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (text,) = events.Tensors("eval/samples/text_summary")
+    assert text.step == 5 and text.tensor_proto.string_val[0].decode() == (
+        "| prompt | completion | reward |\n| --- | --- | --- |\n| '5+7=' | '12' | 1.000 |\n"
+        "| '9+9=' | '1\\|8' | 0.250 |")
+    ((data, step),) = logged
+    assert step == 5 and data["eval/samples"] == (
+        "table", ["prompt", "completion", "reward"], [["5+7=", "12", 1.0], ["9+9=", "1|8", 0.25]])
+    console = Console(total=5, initial=4, log_every=0, enabled=True)
+    console.update(row)
+    console.close()
+    lines = [line for line in re.split(r"[\r\n]", capsys.readouterr().err)
+             if line.startswith("eval ")]
+    assert lines == ["eval step 5: '5+7=' -> '12' (reward 1.000)",
+                     "eval step 5: '9+9=' -> '1|8' (reward 0.250)"]
+
+
 def test_a_disabled_writer_writes_nothing(tmp_path):
     writer = MetricsWriter(job_config(tmp_path / "run"), enabled=False)
     writer.log(records(1)[0])

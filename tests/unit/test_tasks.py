@@ -1,5 +1,6 @@
 """Built-in task, JSONL loader with custom keys, prompt templates and chat templates."""
 
+import dataclasses
 import json
 import re
 
@@ -47,6 +48,10 @@ def test_jsonl_task_with_custom_keys_keeps_the_other_keys(tmp_path):
     ('[1, 2]\n', ":1: expected an object with 'prompt' and 'answer'"),
     ('{"prompt": "", "answer": "1"}\n', ":1: 'prompt' must be a non-empty string"),
     ('{"prompt": "a", "answer": true}\n', ":1: 'answer' must be a non-empty string or a number"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": NaN}\n',
+     ":2: 'answer' is nan, not a finite number; quote it if that text is the answer"),
+    ('{"prompt": "a", "answer": -Infinity}\n',
+     ":1: 'answer' is -inf, not a finite number; quote it if that text is the answer"),
     ("\n", ": no problems found"),
 ])
 def test_jsonl_errors_name_the_line(tmp_path, content, message):
@@ -141,6 +146,21 @@ def test_eval_set_is_fixed_and_apart_from_training(tmp_path):
                             num_problems=None)
     drawn = draw_eval_set(every_line, seed=0, hf_path="unused")
     assert sorted(p.prompt for p in drawn) == sorted(f"{i}+1" for i in range(7))
+
+
+def test_an_eval_set_larger_than_its_file_is_refused(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"q": f"{i}+1", "a": i + 1}) + "\n" for i in range(7))
+                    + json.dumps({"q": "nan?", "a": "NaN"}) + "\n")  # a string stays one
+    config = EvalConfig(kind="jsonl", path=str(path), prompt_key="q", answer_key="a",
+                        num_problems=9)
+    with pytest.raises(ConfigError) as raised:
+        draw_eval_set(config, seed=0, hf_path="unused")
+    assert str(raised.value.at("eval")) == (
+        f"eval.num_problems=9 is more than the 8 problems in {path}; set it to at most 8, or "
+        "null for every line once")
+    drawn = draw_eval_set(dataclasses.replace(config, num_problems=8), seed=0, hf_path="unused")
+    assert len({p.prompt for p in drawn}) == 8 and "NaN" in {p.answer for p in drawn}
 
 
 def test_min_operand_bounds_operands_from_below():
