@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -56,15 +57,28 @@ class OwnerRecord:
 
 def claim_owner(directory: Path, key: str) -> OwnerRecord:
     """Take ``<directory>/<key>.owner`` for this process; ``ValueError`` naming the owner if a
-    live process holds it."""
+    live process holds it.
+
+    The record is never seen unlocked: a new one is created, locked and written under a
+    temporary name, then linked into place (which fails if a record appeared meanwhile); a dead
+    owner's record is locked before it is rewritten. So a sweep running at the same moment finds
+    either no record or a locked one, never a live claim's file to remove.
+    """
     path = directory / f"{key}.owner"
+    record = json.dumps({**ProcessIdentity.of().to_json(), "key": key}).encode()
     for _ in range(_CLAIM_ATTEMPTS):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            claimed = _create_locked(directory, path, record)
+            if claimed is not None:
+                return claimed
+            continue  # another record appeared (or a sweep took our temporary file): look again
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            time.sleep(0.02)  # a sweep may hold it for a moment
+            time.sleep(0.02)  # a live owner, or a sweep holding it for a moment
             continue
         try:
             linked = os.lstat(path).st_ino == os.fstat(fd).st_ino
@@ -73,12 +87,33 @@ def claim_owner(directory: Path, key: str) -> OwnerRecord:
         if not linked:  # a sweep removed it between our open and our lock: start again
             os.close(fd)
             continue
-        record = json.dumps({**ProcessIdentity.of().to_json(), "key": key}).encode()
+        # A dead owner's record, now ours.
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
         return OwnerRecord(path, fd)
     raise ValueError(f"{path} belongs to a live process ({_read_record(path)}): another trainer "
                      "already uses this device (one trainer per device)")
+
+
+def _create_locked(directory: Path, path: Path, record: bytes) -> OwnerRecord | None:
+    """A new record at ``path``, locked before it gets there; None if ``path`` exists by now."""
+    temporary = directory / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else opened it
+        os.pwrite(fd, record, 0)
+        os.link(temporary, path)
+    except FileExistsError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+    return OwnerRecord(path, fd)
 
 
 def sweep_stale_files(directory: Path) -> list[Path]:

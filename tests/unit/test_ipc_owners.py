@@ -8,11 +8,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from mcore_refit.processes import ProcessIdentity, pid_running
 from mcore_refit.refit.ipc_owners import claim_owner, sweep_stale_files
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Another process that owns KEY's files the way a trainer does: its owner record locked, then
 # its socket and slots created. It prints "ready" and sleeps until killed.
@@ -115,3 +118,35 @@ def test_a_reused_pid_is_not_the_process_that_died():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert ProcessIdentity.of(child.pid).gone() is True
+
+
+# Sweeps ``directory`` without pause for ``seconds``; prints the names of what it removed.
+_SWEEPER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from mcore_refit.refit.ipc_owners import sweep_stale_files
+    directory, seconds = Path(sys.argv[1]), float(sys.argv[2])
+    print("ready", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for path in sweep_stale_files(directory):
+            print(path.name, flush=True)
+""")
+
+
+def test_a_sweep_racing_a_claim_never_removes_the_live_owners_record(tmp_path):
+    """The claim is never visible unlocked: a sweep at any moment sees a live owner."""
+    sweeper = subprocess.Popen([sys.executable, "-c", _SWEEPER, str(tmp_path), "10"],
+                               stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert sweeper.stdout.readline() == "ready\n"
+    claims = 0
+    while sweeper.poll() is None and claims < 1000:
+        record = claim_owner(tmp_path, "gpu-a")
+        assert record.path.exists()
+        record.release()
+        claims += 1
+    removed, _ = sweeper.communicate()
+    assert claims >= 300
+    assert removed == "", f"the sweep removed a live claim's files: {removed.split()}"
+    assert names(tmp_path) == []
