@@ -30,11 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
 from mcore_refit.interrupts import reference, resolve, run_child
-from mcore_refit.logs import configure_logging, logging_arguments
+from mcore_refit.logs import (
+    configure_logging,
+    lock_progress_bars_within_the_process,
+    logging_arguments,
+)
 from mcore_refit.processes import ProcessIdentity
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.receiver import WeightTransferEndpoint
@@ -248,11 +251,8 @@ def _serve(server_ref: str, spec_json: str, conn, logging_kwargs: dict | None) -
         "transport", {}).get("liveness_s", 2.0))
     if logging_kwargs is not None:
         configure_logging(**logging_kwargs, process="engine")
-    # tqdm (transformers' loading bar) guards its bars with a multiprocessing lock by default, a
-    # named semaphore that only an interpreter's normal exit unlinks; this process leaves with
-    # os._exit (or is killed with its trainer), and the resource tracker then reports a "leaked
-    # semaphore". It starts no processes that draw bars: a thread lock serves.
-    tqdm.set_lock(threading.RLock())
+    # Without configure_logging too: it leaves with os._exit, or is killed with its trainer.
+    lock_progress_bars_within_the_process()
     try:
         server = resolve(server_ref)(json.loads(spec_json))
     except BaseException as error:

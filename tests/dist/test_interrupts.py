@@ -107,6 +107,7 @@ def check_interrupted(stderr: str, line: str) -> None:
             if "Interrupted:" in text]
     assert said == [line], stderr[-6000:]
     assert "PeerDied" not in stderr and not OUR_TRACEBACK.search(stderr), stderr[-6000:]
+    assert "leaked semaphore" not in stderr, stderr[-6000:]
 
 
 @pytest.mark.timeout(600)
