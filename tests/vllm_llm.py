@@ -23,10 +23,6 @@ QWEN3_MOE = TinyModelSpec(architecture="qwen3_moe", num_layers=2, hidden_size=12
 def start_llm(path: str | Path):
     """``vllm.LLM`` over the checkpoint at ``path``, refitted through the mcore_refit backend."""
     os.environ.update(VLLM_ENV)
-    from vllm import LLM
+    from mcore_refit.bench.vllm import refittable_llm
 
-    from mcore_refit.inference.vllm.backend import weight_transfer_config
-
-    return LLM(model=str(path), enforce_eager=True, dtype="float32", seed=0, max_model_len=128,
-               max_num_seqs=4, kv_cache_memory_bytes=32 << 20,
-               weight_transfer_config=weight_transfer_config())
+    return refittable_llm(path)

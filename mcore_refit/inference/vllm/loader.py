@@ -94,6 +94,11 @@ class VllmModelLoader:
             raise ValueError(f"no refit has reached this vLLM model yet (asked for {name!r})")
         return self._staging.tensor(name)
 
+    def staged_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the plan as it arrived in the last refit (empty before the first)."""
+        staging = self._staging
+        return [] if staging is None else [(name, staging.tensor(name)) for name in staging.names]
+
     def check_loaded(self) -> str | None:
         """Compare every vLLM parameter with what vLLM's plain loader makes of the tensors of
         the last refit (in a reference copy of the model), bitwise; ``None`` when all equal,
@@ -102,9 +107,7 @@ class VllmModelLoader:
             return "cannot check vLLM's parameters: no finished refit"
         if self._reference is None:
             self._reference = self._make_reference()
-        staging = self._staging
-        return self._reference.compare(self._model, ((name, staging.tensor(name))
-                                                     for name in staging.names))
+        return self._reference.compare(self._model, self.staged_weights())
 
     # --- internals -------------------------------------------------------------------------
 
