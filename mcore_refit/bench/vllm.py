@@ -17,18 +17,24 @@ from mcore_refit.refit import RefitError, TransportOptions
 
 def refittable_llm(hf_path: str | Path, *, dtype: str = "float32", seed: int = 0,
                    max_model_len: int = 128, kv_cache_bytes: int = 32 << 20,
-                   load_format: str = "auto", gpu_memory_utilization: float = 0.3):
+                   load_format: str = "auto", gpu_memory_utilization: float = 0.3,
+                   device: torch.device | None = None):
     """``vllm.LLM`` over ``hf_path`` that refits through the mcore_refit backend: eager, a KV
     cache of ``kv_cache_bytes``; ``load_format="dummy"`` skips the checkpoint's weights (a
     config-only directory will do: the refit brings the weights, and no tokenizer is loaded).
-    On GPU, ``gpu_memory_utilization`` of the device must be free at start-up. The caller sets
+    On GPU, ``device`` (``cuda:N``) is the GPU vLLM runs on (its ``device_ids``: vLLM would
+    otherwise take the process's first visible GPU), and ``gpu_memory_utilization`` of it must
+    be free at start-up. The caller sets
     vLLM's environment first (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine in this
     process)."""
     from vllm import LLM
 
     from mcore_refit.inference.vllm.backend import weight_transfer_config
 
-    return LLM(model=str(hf_path), enforce_eager=True, dtype=dtype, seed=seed,
+    placement = {}
+    if device is not None and torch.device(device).type == "cuda":
+        placement["device_ids"] = [torch.device(device).index or 0]
+    return LLM(model=str(hf_path), enforce_eager=True, dtype=dtype, seed=seed, **placement,
                max_model_len=max_model_len, max_num_seqs=4, kv_cache_memory_bytes=kv_cache_bytes,
                load_format=load_format, skip_tokenizer_init=load_format == "dummy",
                gpu_memory_utilization=gpu_memory_utilization,
@@ -56,7 +62,8 @@ class VllmBenchEngine:
         self.device = torch.device(device)
         self.options = options
         self.llm = refittable_llm(hf_path, dtype=dtype, load_format="dummy",
-                                  gpu_memory_utilization=gpu_memory_utilization)
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  device=self.device)
 
     def receive(self, init_info, *, num_refits: int, first_timed: int,
                 num_timed: int) -> tuple[list[dict], str | None]:

@@ -11,18 +11,20 @@ import pytest
 from tests.launch import REPO_ROOT, run_torchrun
 
 SCENARIO = REPO_ROOT / "tests" / "dist" / "scenarios" / "vllm_refit.py"
-LAYOUTS = ["tp1", "pp2_vpp2", "tp2", "moe_ep2"]
+DENSE = ["tp1", "pp2_vpp2", "tp2"]
+MOE = ["moe_ep2"]
 
 
-def _run(tmp_path, *, nproc: int, placement: str, timeout_s: float) -> dict:
+def _run(tmp_path, *, nproc: int, placement: str, layouts: list[str], timeout_s: float) -> dict:
     out = tmp_path / "results.json"
     run_torchrun(SCENARIO, "--workdir", str(tmp_path), "--out", str(out), "--placement",
-                 placement, "--layouts", *LAYOUTS, nproc=nproc, timeout_s=timeout_s)
-    return json.loads(out.read_text())
+                 placement, "--layouts", *layouts, nproc=nproc, timeout_s=timeout_s)
+    results = json.loads(out.read_text())
+    assert sorted(results) == sorted(layouts)
+    return results
 
 
 def _check(results: dict, *, engine_ranks: list[str]) -> None:
-    assert sorted(results) == sorted(LAYOUTS)
     for layout, ranks in results.items():
         for name in engine_ranks:
             checks = ranks[name]["checks"]
@@ -35,15 +37,19 @@ def _check(results: dict, *, engine_ranks: list[str]) -> None:
                 assert refit["verified"] is True and refit["sources"] == [0, 1], layout
 
 
+# A non-colocated inference rank holds one vLLM engine for the launch: one launch per checkpoint.
 @pytest.mark.timeout(600)
-def test_vllm_refit_non_colocated_layouts(tmp_path):
-    results = _run(tmp_path, nproc=3, placement="non_colocated", timeout_s=580)
+@pytest.mark.parametrize("layouts", [DENSE, MOE], ids=["dense", "moe"])
+def test_vllm_refit_non_colocated_layouts(tmp_path, layouts):
+    results = _run(tmp_path, nproc=3, placement="non_colocated", layouts=layouts,
+                   timeout_s=580)
     _check(results, engine_ranks=["rank2"])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_vllm_refit_colocated_layouts(tmp_path):
-    results = _run(tmp_path, nproc=2, placement="colocated", timeout_s=580)
+    results = _run(tmp_path, nproc=2, placement="colocated", layouts=DENSE + MOE,
+                   timeout_s=880)
     _check(results, engine_ranks=["rank0", "rank1"])
     for ranks in results.values():
         for name in ("rank0", "rank1"):

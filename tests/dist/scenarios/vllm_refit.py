@@ -11,8 +11,8 @@ Megatron-Bridge's own export of the same model, bit for bit.
 - ``--placement colocated``: every rank trains and spawns an engine process running vLLM, fed
   over the IPC transport (shared memory on CPU); buffers move between trainer ranks first.
 
-One vLLM engine per engine process serves every layout of a checkpoint (a new one per
-checkpoint). Rank 0 writes ``{layout: {"rank<r>": result}}`` to --out.
+One vLLM engine per process serves every layout of a checkpoint: colocated ranks start a new
+engine process for another checkpoint; a non-colocated launch takes layouts of one checkpoint. Rank 0 writes ``{layout: {"rank<r>": result}}`` to --out.
 """
 
 import argparse
@@ -207,34 +207,37 @@ class EngineSpec:
 
 
 class Engine:
-    """This rank's engine process (colocated), started at the first layout."""
+    """This rank's engine process (colocated): one per checkpoint, since a process holds one
+    vLLM engine (a second one in the same process fails: vLLM's process groups are global)."""
+
+    _llm = None  # (path, vllm.LLM) of this process
 
     def __init__(self, workdir: Path, *, rank: int) -> None:
         self.options = dataclasses.replace(OPTIONS, ipc_dir=str(workdir / "ipc"))
         self.process: EngineProcess | None = None
+        self.path: Path | None = None
 
     @staticmethod
     def llm_for(path: Path):
-        """One vLLM engine per process and checkpoint (the previous one is shut down)."""
+        """This process's vLLM engine over ``path`` (started at the first call)."""
         from mcore_refit.bench.vllm import refittable_llm
 
-        current = Engine._llm
-        if current is not None and current[0] == path:
-            return current[1]
-        if current is not None:
-            Engine._llm = None
-            current[1].llm_engine.engine_core.shutdown()
-            del current
-        Engine._llm = (path, refittable_llm(path))
+        if Engine._llm is None:
+            Engine._llm = (path, refittable_llm(path))
+        if Engine._llm[0] != path:
+            raise ValueError(f"this process's vLLM engine serves {Engine._llm[0]}, not {path}: "
+                             "one engine per process (launch the layouts of another "
+                             "checkpoint separately)")
         return Engine._llm[1]
 
-    _llm = None
-
     def connect(self, path: Path, address: str) -> None:
+        if self.process is not None and self.path != path:
+            self.close()
         if self.process is None:
             Path(self.options.ipc_dir).mkdir(exist_ok=True)
             self.process = EngineProcess(EngineSpec(device="cpu", transport=self.options),
                                          timeout_s=600, server=VllmServer)
+            self.path = path
         self.process.call("connect", hf_path=str(path), address=address)
 
     def alive_problem(self) -> str | None:
@@ -243,6 +246,7 @@ class Engine:
     def close(self) -> None:
         if self.process is not None:
             self.process.close()
+            self.process = None
 
 
 class VllmServer:
