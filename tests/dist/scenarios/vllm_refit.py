@@ -214,6 +214,7 @@ class Engine:
 
     def __init__(self, workdir: Path, *, rank: int) -> None:
         self.options = dataclasses.replace(OPTIONS, ipc_dir=str(workdir / "ipc"))
+        Path(self.options.ipc_dir).mkdir(parents=True, exist_ok=True)
         self.process: EngineProcess | None = None
         self.path: Path | None = None
 
@@ -234,7 +235,6 @@ class Engine:
         if self.process is not None and self.path != path:
             self.close()
         if self.process is None:
-            Path(self.options.ipc_dir).mkdir(exist_ok=True)
             self.process = EngineProcess(EngineSpec(device="cpu", transport=self.options),
                                          timeout_s=600, server=VllmServer)
             self.path = path
