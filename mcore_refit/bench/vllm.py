@@ -6,6 +6,7 @@ a refit into vLLM is measured against, in the same run.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from pathlib import Path
@@ -27,10 +28,17 @@ def refittable_llm(hf_path: str | Path, *, dtype: str = "float32", seed: int = 0
     be free at start-up. The caller sets
     vLLM's environment first (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine in this
     process)."""
+    import torch.distributed as dist
     from vllm import LLM
 
     from mcore_refit.inference.vllm.backend import weight_transfer_config
 
+    if not dist.is_initialized():
+        # vLLM makes a process group of its own (a world of one, at a tcp:// address it picks).
+        # In a process spawned by a torchrun rank (a colocated engine), torchrun's
+        # TORCHELASTIC_USE_AGENT_STORE would make that rendezvous a client of a store nobody
+        # serves at that address: it waits until its timeout.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     placement = {}
     if device is not None and torch.device(device).type == "cuda":
         placement["device_ids"] = [torch.device(device).index or 0]
