@@ -9,14 +9,13 @@ device-to-device copy of ``raw_link_bytes`` on each rank, the slowest rank's tim
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mcore_refit.bench.rank import BenchRank
+from mcore_refit.bench.rank import BenchRank, receive_refits
 from mcore_refit.bench.results import ModeResult, progress, transport_result
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
@@ -26,7 +25,6 @@ from mcore_refit.refit import Refitter, TensorDictEngine, colocated_sender, plan
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.plan import plan_from_json
 from mcore_refit.refit.receiver import IpcInitInfo, WeightTransferEndpoint
-from mcore_refit.refit.transport import RefitError
 
 
 @dataclass
@@ -210,24 +208,11 @@ class BenchEngineServer:
             timed, error = self.vllm.receive(IpcInitInfo(address=address), num_refits=num_refits,
                                              first_timed=first_timed, num_timed=num_timed)
             return {"telemetry": timed, "error": error}
-        timed, error = [], None
         with WeightTransferEndpoint(engine=self.engine, device=self.device,
                                     options=self.options) as endpoint:
-            try:
-                endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
-                for index in range(num_refits):
-                    endpoint.start_weight_update()
-                    try:
-                        telemetry = endpoint.update_weights()
-                    finally:
-                        try:
-                            endpoint.finish_weight_update(index)
-                        except RefitError:
-                            pass  # the update failed: its error is the one reported
-                    if first_timed <= index < first_timed + num_timed:
-                        timed.append(telemetry.as_dict())
-            except RefitError:
-                error = traceback.format_exc()
+            timed, error = receive_refits(endpoint, IpcInitInfo(address=address),
+                                          num_refits=num_refits, first_timed=first_timed,
+                                          num_timed=num_timed)
         return {"telemetry": timed, "error": error}
 
     def do_load_floor(self, repetitions: int) -> list:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
-from mcore_refit.refit import RefitError, TransportOptions
+from mcore_refit.refit import TransportOptions
 
 
 def refittable_llm(hf_path: str | Path, *, dtype: str = "float32", seed: int = 0,
@@ -77,27 +76,13 @@ class VllmBenchEngine:
                 num_timed: int) -> tuple[list[dict], str | None]:
         """``num_refits`` refits through ``init_info``'s transport; the receiver telemetry of
         the timed ones and the error that ended them early (``None`` if none did)."""
+        from mcore_refit.bench.rank import receive_refits
         from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
 
-        timed, error = [], None
         with VllmWeightTransfer(self.llm, device=self.device,
                                 options=self.options) as transfer:
-            try:
-                transfer.init_weight_transfer_engine(init_info)
-                for index in range(num_refits):
-                    transfer.start_weight_update()
-                    try:
-                        telemetry = transfer.update_weights()
-                    finally:
-                        try:
-                            transfer.finish_weight_update(index)
-                        except RefitError:
-                            pass  # the update failed: its error is the one reported
-                    if first_timed <= index < first_timed + num_timed:
-                        timed.append(telemetry.as_dict())
-            except RefitError:
-                error = traceback.format_exc()
-        return timed, error
+            return receive_refits(transfer, init_info, num_refits=num_refits,
+                                  first_timed=first_timed, num_timed=num_timed)
 
     def load_floor(self, repetitions: int) -> tuple[list[float], int]:
         """Seconds of each of ``repetitions`` loads, by vLLM's loader, of the tensors the last

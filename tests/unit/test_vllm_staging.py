@@ -41,10 +41,10 @@ def test_vllm_staging_assembles_pieces_and_hands_out_whole_tensors_once_complete
 def test_vllm_staging_refuses_what_the_plan_does_not_send():
     staging = RefitStaging(_plan(), CPU)
     staging.begin()
-    with pytest.raises(ValueError, match="'x' is not a tensor of the refit plan"):
+    with pytest.raises(ValueError, match="unknown weight name 'x': the refit's staging has no"):
         staging.put([("x", torch.ones(5))])
-    with pytest.raises(ValueError, match=r"weight 'b': received \(4,\) torch.float32, the plan "
-                                         r"has \(5,\) torch.float32"):
+    with pytest.raises(ValueError, match=r"weight 'b': received \(4,\) torch.float32, the "
+                                         r"refit's staging holds \(5,\) torch.float32"):
         staging.put([("b", torch.ones(4))])
     with pytest.raises(ValueError, match="weight 'w': received a piece"):
         staging.put_pieces([("w", torch.ones(3, 3), Region(dim=0, start=2, full=4))])

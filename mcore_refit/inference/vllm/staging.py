@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mcore_refit.refit import RefitPlan
+from mcore_refit.refit import NamedTensorEngine, RefitPlan
 from mcore_refit.refit.plan import Region
 
 # Offsets of tensors in the staging allocation (bytes): enough for any dtype and vector loads.
@@ -51,6 +51,8 @@ class RefitStaging:
             name: self._memory[offsets[name]:offsets[name] + shape.numel() * dtype.itemsize]
             .view(dtype).view(shape)
             for name, (shape, dtype) in shapes.items()}
+        # Checked, batched copies into the staged tensors (by name, pieces into their regions).
+        self._copies = NamedTensorEngine(self._tensors, description="the refit's staging")
         self._missing: dict[str, int] = {}
 
     @property
@@ -68,46 +70,20 @@ class RefitStaging:
 
     def tensor(self, name: str) -> torch.Tensor:
         """The staged tensor ``name`` (as last received)."""
-        try:
-            return self._tensors[name]
-        except KeyError:
-            raise ValueError(f"{name!r} is not a tensor of the refit plan") from None
+        return self._copies.get_weight(name)
 
     def put(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Copy whole tensors in (one batched copy per dtype); returns them as staged."""
-        destinations, sources, counts = [], [], []
-        for name, tensor in weights:
-            target = self.tensor(name)
-            if target.shape != tensor.shape or target.dtype != tensor.dtype:
-                raise ValueError(f"weight {name!r}: received {tuple(tensor.shape)} "
-                                 f"{tensor.dtype}, the plan has {tuple(target.shape)} "
-                                 f"{target.dtype}")
-            destinations.append(target)
-            sources.append(tensor)
-            counts.append((name, tensor.numel()))
-        self._copy(destinations, sources)
-        return self._arrived(counts)
+        """Copy whole tensors in (checked, one batched copy per dtype); returns them staged."""
+        weights = list(weights)
+        self._copies.load_weights(weights)
+        return self._arrived([(name, tensor.numel()) for name, tensor in weights])
 
     def put_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]
                    ) -> list[tuple[str, torch.Tensor]]:
         """Copy each piece into its region of its tensor; returns the tensors now whole."""
-        destinations, sources, counts = [], [], []
-        for name, piece, region in pieces:
-            target = self.tensor(name)
-            shape = list(target.shape)
-            if 0 <= region.dim < len(shape) and shape[region.dim] == region.full:
-                shape[region.dim] = piece.shape[region.dim]
-            fits = (piece.dim() == target.dim() and list(piece.shape) == shape
-                    and region.start + piece.shape[region.dim] <= region.full)
-            if not fits or piece.dtype != target.dtype:
-                raise ValueError(f"weight {name!r}: received a piece {tuple(piece.shape)} "
-                                 f"{piece.dtype} at {region}, the plan has "
-                                 f"{tuple(target.shape)} {target.dtype}")
-            destinations.append(region.narrow(target, piece.shape[region.dim]))
-            sources.append(piece)
-            counts.append((name, piece.numel()))
-        self._copy(destinations, sources)
-        return self._arrived(counts)
+        pieces = list(pieces)
+        self._copies.load_weight_pieces(pieces)
+        return self._arrived([(name, piece.numel()) for name, piece, _ in pieces])
 
     def _arrived(self, counts: list[tuple[str, int]]) -> list[tuple[str, torch.Tensor]]:
         whole = []
@@ -120,14 +96,3 @@ class RefitStaging:
             if left == 0:
                 whole.append((name, self._tensors[name]))
         return whole
-
-    @staticmethod
-    def _copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for destination, source in zip(destinations, sources, strict=True):
-            into, out_of = by_dtype.setdefault(destination.dtype, ([], []))
-            into.append(destination)
-            out_of.append(source)
-        with torch.no_grad():
-            for into, out_of in by_dtype.values():
-                torch._foreach_copy_(into, out_of)
