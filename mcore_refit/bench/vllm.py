@@ -68,7 +68,10 @@ class VllmBenchEngine:
                  options: TransportOptions, gpu_memory_utilization: float) -> None:
         self.device = torch.device(device)
         self.options = options
+        # The KV cache must hold one request of max_model_len (128) tokens: 32 MiB is 128
+        # tokens of Llama-3-8B's (32 layers x 8 KV heads x 128 x K and V in bf16); keep margin.
         self.llm = refittable_llm(hf_path, dtype=dtype, load_format="dummy",
+                                  kv_cache_bytes=256 << 20,
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   device=self.device)
 
