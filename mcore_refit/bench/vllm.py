@@ -89,8 +89,8 @@ class VllmBenchEngine:
 
     def load_floor(self, repetitions: int) -> tuple[list[float], int]:
         """Seconds of each of ``repetitions`` loads, by vLLM's loader, of the tensors the last
-        refit brought (as the refit loads them: layerwise reload, whole HF tensors), and their
-        bytes."""
+        refit brought (as the refit loads them: layerwise reload, whole HF tensors; from
+        ``load_weights`` to the finished reload), and their bytes."""
 
         def load(worker) -> tuple[list[float], int]:
             from vllm.model_executor.model_loader.reload import (
@@ -105,9 +105,11 @@ class VllmBenchEngine:
             model = worker.model_runner.get_model()
             times = []
             for _ in range(repetitions):
+                # As in a refit, the reload is set up before the clock starts (a refit's engine
+                # does it in start_weight_update, before the trainer's refit begins).
+                initialize_layerwise_reload(model)
                 _synchronize(worker.device)
                 started = time.perf_counter()
-                initialize_layerwise_reload(model)
                 model.load_weights(weights)
                 finalize_layerwise_reload(model, worker.model_runner.model_config)
                 _synchronize(worker.device)
