@@ -12,6 +12,9 @@
     # colocated: every rank spawns its engine on its own GPU
     torchrun --nproc-per-node 1 recipes/refit_bench.py --config configs/refit_bench.yaml \
         refit.mode=colocated bench.source=moe_30b_a3b
+    # into a vLLM engine, against vLLM's own load of the same tensors (see configs/*vllm*)
+    torchrun --nproc-per-node 2 recipes/refit_bench.py --config configs/refit_bench_vllm_cpu.yaml \
+        megatron.hf_path=DIR
 
 Overrides are ``section.key=value`` (YAML values); the modes and layouts are described in
 :mod:`mcore_refit.bench`. Rank 0 prints one JSON line per mode, then a summary line with the
@@ -36,6 +39,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     job = load_config(RefitBenchJob, args.config, args.overrides)
+    if job.bench.engine == "vllm":
+        # vLLM in the receiving process (the refit's live groups reach its worker), no usage
+        # reports, no hub lookups; the engine processes of a colocated run inherit these.
+        os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+                           "HF_HUB_OFFLINE": "1"})
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank=rank, log_file=None)
     return run_bench(job, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")),

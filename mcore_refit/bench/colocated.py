@@ -9,23 +9,22 @@ device-to-device copy of ``raw_link_bytes`` on each rank, the slowest rank's tim
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mcore_refit.bench.rank import BenchRank
+from mcore_refit.bench.rank import BenchRank, receive_refits
 from mcore_refit.bench.results import ModeResult, progress, transport_result
 from mcore_refit.bench.sources import BenchSources
+from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
 from mcore_refit.control import ControlGroup, Outcome
 from mcore_refit.inference.process import EngineProcess
 from mcore_refit.refit import Refitter, TensorDictEngine, colocated_sender, plan_for_source
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.plan import plan_from_json
 from mcore_refit.refit.receiver import IpcInitInfo, WeightTransferEndpoint
-from mcore_refit.refit.transport import RefitError
 
 
 @dataclass
@@ -65,7 +64,9 @@ def run_colocated(bench: ColocatedBench) -> list[ModeResult] | None:
 
 def _start_engine(bench: ColocatedBench, plan_json: str) -> EngineProcess:
     spec = BenchEngineSpec(device=str(bench.device), transport=bench.job.refit.transport,
-                           specs=plan_json)
+                           specs=plan_json,
+                           vllm=(vllm_engine_args(bench.job) if bench.job.bench.engine == "vllm"
+                                 else None))
     return EngineProcess(spec, timeout_s=bench.job.refit.transport.start_timeout_s,
                          server=BenchEngineServer)
 
@@ -141,6 +142,16 @@ def _refit(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResul
                             device=bench.device_name, error=error or engine_error)
 
 
+def _floor(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResult:
+    """Every rank's vLLM engine loads the last refit's tensors by its own loader; the slowest
+    rank's time per repetition."""
+    times, payload = engine.call("load_floor", repetitions=len(bench.repetitions()))
+    rows = bench.trainers.all_gather_json(times[bench.job.bench.num_warmup:],
+                                          what="vLLM's load floor")
+    return ModeResult(mode=mode, payload_bytes=payload, refit_s=[max(t) for t in zip(*rows)],
+                      device=bench.device_name)
+
+
 MODES: dict[str, Callable[[ColocatedBench, str, EngineProcess], ModeResult]] = {
     "raw_link": _raw_copy,
     "naive": _refit,
@@ -151,6 +162,7 @@ MODES: dict[str, Callable[[ColocatedBench, str, EngineProcess], ModeResult]] = {
     "export_alone": _export,
     "bridge_export_alone": _export,
     "shared_weights": _refit,
+    "vllm_load_floor": _floor,
 }
 
 
@@ -160,15 +172,17 @@ MODES: dict[str, Callable[[ColocatedBench, str, EngineProcess], ModeResult]] = {
 @dataclass(frozen=True, kw_only=True)
 class BenchEngineSpec:
     """What a benchmark engine process builds: a tensor engine for ``specs`` (a plan's JSON) on
-    ``device``, receiving with ``transport``'s options."""
+    ``device``, or with ``vllm`` (:func:`~mcore_refit.bench.vllm.vllm_engine_args`) a vLLM
+    engine, receiving with ``transport``'s options."""
 
     device: str
     transport: TransportOptions
     specs: str
+    vllm: dict | None = None
 
     def to_json(self) -> dict:
         return {"device": self.device, "transport": dataclasses.asdict(self.transport),
-                "specs": self.specs}
+                "specs": self.specs, "vllm": self.vllm}
 
 
 class BenchEngineServer:
@@ -179,32 +193,34 @@ class BenchEngineServer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.options = TransportOptions(**spec_json["transport"])
-        self.engine = TensorDictEngine.from_specs(plan_from_json(spec_json["specs"]).specs(),
-                                                  device=self.device)
+        self.vllm = (VllmBenchEngine(**spec_json["vllm"], device=self.device,
+                                     options=self.options)
+                     if spec_json.get("vllm") is not None else None)
+        self.engine = (TensorDictEngine.from_specs(plan_from_json(spec_json["specs"]).specs(),
+                                                   device=self.device)
+                       if self.vllm is None else None)
 
     def do_receive(self, address: str, num_refits: int, first_timed: int,
                    num_timed: int) -> dict:
         """``num_refits`` refits from the sender at ``address``; the receiver telemetry of the
         timed ones, and the error that ended them early (None if none did)."""
-        timed, error = [], None
+        if self.vllm is not None:
+            timed, error = self.vllm.receive(IpcInitInfo(address=address), num_refits=num_refits,
+                                             first_timed=first_timed, num_timed=num_timed)
+            return {"telemetry": timed, "error": error}
         with WeightTransferEndpoint(engine=self.engine, device=self.device,
                                     options=self.options) as endpoint:
-            try:
-                endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
-                for index in range(num_refits):
-                    endpoint.start_weight_update()
-                    try:
-                        telemetry = endpoint.update_weights()
-                    finally:
-                        try:
-                            endpoint.finish_weight_update(index)
-                        except RefitError:
-                            pass  # the update failed: its error is the one reported
-                    if first_timed <= index < first_timed + num_timed:
-                        timed.append(telemetry.as_dict())
-            except RefitError:
-                error = traceback.format_exc()
+            timed, error = receive_refits(endpoint, IpcInitInfo(address=address),
+                                          num_refits=num_refits, first_timed=first_timed,
+                                          num_timed=num_timed)
         return {"telemetry": timed, "error": error}
+
+    def do_load_floor(self, repetitions: int) -> list:
+        """vLLM's own load of the last refit's tensors: ``[seconds per repetition, bytes]``."""
+        if self.vllm is None:
+            raise RuntimeError("vllm_load_floor needs bench.engine=vllm")
+        times, payload = self.vllm.load_floor(repetitions)
+        return [times, payload]
 
     def close(self) -> None:
         pass

@@ -13,7 +13,8 @@ from mcore_refit.config import ConfigError, Dtype, LayerSpec, ParallelConfig
 from mcore_refit.refit.config import RefitConfig
 
 Mode = Literal["raw_link", "naive", "single_buffer", "engine", "export_alone", "transport_alone",
-               "bridge_export", "bridge_export_alone", "shared_weights"]
+               "bridge_export", "bridge_export_alone", "shared_weights", "vllm_load_floor"]
+Engine = Literal["tensors", "vllm"]
 SourceName = Literal["dense_8b", "moe_30b_a3b", "tiny", "megatron"]
 Preset = Literal["llama3_8b", "qwen3_30b_a3b", "tiny_llama", "tiny_qwen3_moe"]
 
@@ -21,6 +22,11 @@ Preset = Literal["llama3_8b", "qwen3_30b_a3b", "tiny_llama", "tiny_qwen3_moe"]
 BRIDGE_MODES = ("bridge_export", "bridge_export_alone")
 # Modes only the colocated placement has (the engine reads the trainer's tensors in place).
 COLOCATED_MODES = ("shared_weights",)
+# Modes that need bench.engine=vllm.
+VLLM_MODES = ("vllm_load_floor",)
+# Modes that refit (into the engine), as opposed to the limits and the export alone.
+REFIT_MODES = ("naive", "single_buffer", "engine", "transport_alone", "bridge_export",
+               "shared_weights")
 # Modes a launch without inference ranks (bench.trainer_only) can run.
 EXPORT_MODES = ("export_alone", "bridge_export_alone")
 
@@ -38,10 +44,12 @@ class TargetsConfig:
     refit_over_transport: float = 1.15
     # Megatron source: Megatron-Bridge's export (or refit) over this export's (or refit's).
     speedup_over_bridge: float = 3.0
+    # bench.engine=vllm: the refit over vLLM's own load of the same tensors from memory.
+    refit_over_vllm_floor: float = 1.2
 
     def __post_init__(self) -> None:
         for key in ("link_fraction", "copy_fraction_dense", "copy_fraction_moe",
-                    "refit_over_transport", "speedup_over_bridge"):
+                    "refit_over_transport", "speedup_over_bridge", "refit_over_vllm_floor"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"`{key}` must be a positive number, got {value!r}")
@@ -73,8 +81,34 @@ class BenchConfig:
     # bridge_export_alone): no inference process shares a device.
     trainer_only: bool = False
     targets: TargetsConfig = field(default_factory=TargetsConfig)
+    # What receives: tensors of the plan's shapes (the transport's own engine), or a vLLM
+    # engine (source=megatron: vLLM starts from the model's HF config with dummy weights and
+    # every refit brings the real ones through vLLM's loader).
+    engine: Engine = "tensors"
+    # engine=vllm on GPU: the fraction of device memory that must be free when vLLM starts.
+    vllm_gpu_memory_utilization: float = 0.3
 
     def __post_init__(self) -> None:
+        if self.engine not in typing.get_args(Engine):
+            raise ConfigError(f"`engine` must be one of {', '.join(typing.get_args(Engine))}, "
+                              f"got {self.engine!r}")
+        if self.engine == "vllm":
+            if self.source != "megatron":
+                raise ConfigError(f"`engine`=vllm needs `source`=megatron (vLLM builds the "
+                                  f"model's HF config), got {self.source!r}")
+            refused = [m for m in self.modes if m in ("naive", "shared_weights")]
+            if refused:
+                raise ConfigError(f"`modes` {refused} do not run with `engine`=vllm")
+            floor = [m for m in self.modes if m in VLLM_MODES]
+            refits = [i for i, m in enumerate(self.modes) if m in REFIT_MODES]
+            if floor and (not refits or refits[0] > self.modes.index(floor[0])):
+                raise ConfigError("`modes` vllm_load_floor loads what the last refit brought: "
+                                  "list a refit mode (engine, transport_alone, ...) before it")
+        elif any(m in VLLM_MODES for m in self.modes):
+            raise ConfigError("`modes` vllm_load_floor needs `engine`=vllm")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"`vllm_gpu_memory_utilization` must be in (0, 1], got "
+                              f"{self.vllm_gpu_memory_utilization!r}")
         if not self.modes or len(set(self.modes)) != len(self.modes):
             raise ConfigError(f"`modes` must be distinct entries of "
                               f"{', '.join(typing.get_args(Mode))}; got {self.modes}")

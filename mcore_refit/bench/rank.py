@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from mcore_refit.bench.config import RefitBenchJob
 from mcore_refit.bench.results import ModeResult
 from mcore_refit.bench.sources import BenchSources, export_pass
 from mcore_refit.control import ControlGroup
-from mcore_refit.refit import plan_for_source
+from mcore_refit.refit import RefitError, plan_for_source
 from mcore_refit.refit.config import PlanConfig
 from mcore_refit.refit.streams import DeviceStreams
 
@@ -87,3 +88,27 @@ class BenchRank:
         return ModeResult(mode=mode, payload_bytes=plan.payload_bytes, refit_s=times,
                           device=self.device_name, num_tensors=plan.num_tensors,
                           num_sources=len(plan.sources))
+
+
+def receive_refits(endpoint, init_info, *, num_refits: int, first_timed: int,
+                   num_timed: int) -> tuple[list[dict], str | None]:
+    """``num_refits`` refits into ``endpoint`` (a ``WeightTransferEndpoint`` or a
+    ``VllmWeightTransfer``: the same four calls) connected through ``init_info``; the receiver
+    telemetry of the timed ones, and the error that ended them early (None if none did)."""
+    timed, error = [], None
+    try:
+        endpoint.init_weight_transfer_engine(init_info)
+        for index in range(num_refits):
+            endpoint.start_weight_update()
+            try:
+                telemetry = endpoint.update_weights()
+            finally:
+                try:
+                    endpoint.finish_weight_update(index)
+                except RefitError:
+                    pass  # the update failed: its error is the one reported
+            if first_timed <= index < first_timed + num_timed:
+                timed.append(telemetry.as_dict())
+    except RefitError:
+        error = traceback.format_exc()
+    return timed, error

@@ -125,6 +125,15 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
                        targets.refit_over_transport),
             "refit_s": round(engine.refit_s_median, 6),
             "transport_s": round(transport.refit_s_median, 6)}
+    floor = by_mode.get("vllm_load_floor")
+    for name in ("engine", "transport_alone"):
+        refit = by_mode.get(name)
+        if floor is not None and refit is not None:
+            checks[f"{name}_vs_vllm_load_floor"] = {
+                **_at_most(_ratio(refit.refit_s_median, floor.refit_s_median),
+                           targets.refit_over_vllm_floor),
+                "refit_s": round(refit.refit_s_median, 6),
+                "floor_s": round(floor.refit_s_median, 6)}
     bridge = by_mode.get("bridge_export")
     if engine is not None and bridge is not None:
         checks["refit_speedup_over_bridge_export"] = {

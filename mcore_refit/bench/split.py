@@ -21,6 +21,7 @@ import torch
 from mcore_refit.bench.rank import BenchRank
 from mcore_refit.bench.results import ModeResult, progress, receiver_rows, transport_result
 from mcore_refit.bench.sources import BenchSources
+from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
 from mcore_refit.control import ControlGroup
 from mcore_refit.distributed import SplitJob
 from mcore_refit.refit import (
@@ -44,10 +45,17 @@ class SplitBench(BenchRank):
     control: ControlGroup  # every rank of the launch
     trainers: ControlGroup  # the trainer ranks
     sources: BenchSources | None  # trainer ranks only
+    vllm: VllmBenchEngine | None = None  # inference ranks with bench.engine=vllm, made once
 
     @property
     def is_trainer(self) -> bool:
         return self.split is None or self.split.is_trainer
+
+    def vllm_engine(self) -> VllmBenchEngine:
+        if self.vllm is None:
+            self.vllm = VllmBenchEngine(**vllm_engine_args(self.job), device=self.device,
+                                        options=self.job.refit.transport)
+        return self.vllm
 
     @property
     def rank(self) -> int:
@@ -194,6 +202,15 @@ def _refit_receiver(bench: SplitBench, mode: str) -> None:
     split, options = bench.split, bench.job.refit.transport
     info = BroadcastInitInfo(placement=split.placement, receiver=split.context.rank,
                              control=bench.control, data_groups=split.data_groups)
+    if bench.job.bench.engine == "vllm":
+        timed, error = bench.vllm_engine().receive(
+            info, num_refits=bench.num_refits(), first_timed=bench.job.bench.num_warmup,
+            num_timed=bench.job.bench.num_refits)
+        if error is not None:  # the refit failed on every rank: the trainers report it
+            print(f"bench: inference rank {split.global_rank}: {mode} failed:\n{error}",
+                  file=sys.stderr, flush=True)
+        bench.control.all_gather_json(timed, what=f"the receivers' telemetry of {mode}")
+        return
     receiver = info.connect(device=bench.device, options=options, plan=None)
     timed = []
     with receiver:
@@ -208,6 +225,24 @@ def _refit_receiver(bench: SplitBench, mode: str) -> None:
             print(f"bench: inference rank {split.global_rank}: {mode} refit {index} failed:\n"
                   f"{traceback.format_exc()}", file=sys.stderr, flush=True)
     bench.control.all_gather_json(timed, what=f"the receivers' telemetry of {mode}")
+
+
+# --- vLLM's own load -------------------------------------------------------------------------
+
+
+def _floor_trainer(bench: SplitBench, mode: str) -> ModeResult:
+    """The slowest inference rank's load of the last refit's tensors by vLLM's loader."""
+    rows = [row for row in bench.control.all_gather_json(None, what="vLLM's load floor")
+            if row is not None]
+    times = [max(row[0][i] for row in rows) for i in range(len(rows[0][0]))]
+    return ModeResult(mode=mode, payload_bytes=rows[0][1], refit_s=times,
+                      device=bench.device_name)
+
+
+def _floor_receiver(bench: SplitBench, mode: str) -> None:
+    times, payload = bench.vllm_engine().load_floor(len(bench.repetitions()))
+    bench.control.all_gather_json([times[bench.job.bench.num_warmup:], payload],
+                                  what="vLLM's load floor")
 
 
 # --- the export alone ------------------------------------------------------------------------
@@ -238,4 +273,5 @@ MODES: dict[str, Roles] = {
     "bridge_export": Roles(trainer=_refit_trainer, receiver=_refit_receiver),
     "export_alone": Roles(trainer=_export_trainer, receiver=_idle),
     "bridge_export_alone": Roles(trainer=_export_trainer, receiver=_idle),
+    "vllm_load_floor": Roles(trainer=_floor_trainer, receiver=_floor_receiver),
 }

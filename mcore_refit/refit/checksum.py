@@ -118,10 +118,11 @@ def verify_engine_weights(engine: object, specs: Sequence[TensorSpec], expected:
                           max_names: int = 10) -> str | None:
     """Compare the engine's loaded weights with the sender's digest table.
 
-    ``engine`` must offer ``get_weight(name)``. ``expected`` is the ``[len(specs), 3]`` table of
-    the trainer's digests of every planned tensor (a piece is compared with its region of the
-    engine's weight). Returns ``None`` when every tensor matches, else a message naming the
-    mismatches.
+    ``engine`` must offer ``get_weight(name)``; an engine with ``check_loaded()`` (``None`` or
+    a message) is also asked to check the weights it computes with. ``expected`` is the
+    ``[len(specs), 3]`` table of the trainer's digests of every planned tensor (a piece is
+    compared with its region of the engine's weight). Returns ``None`` when every tensor
+    matches, else a message naming the mismatches.
     """
     get_weight = getattr(engine, "get_weight", None)
     if get_weight is None:
@@ -139,7 +140,10 @@ def verify_engine_weights(engine: object, specs: Sequence[TensorSpec], expected:
     labels = [spec.label for spec in specs]
     bad = mismatched_names(labels, expected, actual)
     if not bad:
-        return None
+        # An engine that transforms what it received (vLLM: fused, sharded, repacked weights)
+        # also checks its own weights against what its loader makes of the received tensors.
+        check_loaded = getattr(engine, "check_loaded", None)
+        return check_loaded() if check_loaded is not None else None
     shown = ", ".join(repr(n) for n in bad[:max_names])
     more = f" and {len(bad) - max_names} more" if len(bad) > max_names else ""
     return (f"post-refit check failed: {len(bad)} of {len(specs)} engine weights differ "

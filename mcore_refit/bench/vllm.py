@@ -1,0 +1,124 @@
+"""vLLM as the benchmark's engine (``bench.engine: vllm``): refits land in a vLLM engine in the
+receiving process, and ``vllm_load_floor`` times vLLM's own load of the same tensors (whole HF
+tensors already in memory on its device, through the layerwise reload a refit uses): the floor
+a refit into vLLM is measured against, in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from mcore_refit.refit import TransportOptions
+
+
+def refittable_llm(hf_path: str | Path, *, dtype: str = "float32", seed: int = 0,
+                   max_model_len: int = 128, kv_cache_bytes: int = 32 << 20,
+                   load_format: str = "auto", gpu_memory_utilization: float = 0.3,
+                   device: torch.device | None = None):
+    """``vllm.LLM`` over ``hf_path`` that refits through the mcore_refit backend: eager, a KV
+    cache of ``kv_cache_bytes``; ``load_format="dummy"`` skips the checkpoint's weights (a
+    config-only directory will do: the refit brings the weights, and no tokenizer is loaded).
+    On GPU, ``device`` (``cuda:N``) is the GPU vLLM runs on (its ``device_ids``: vLLM would
+    otherwise take the process's first visible GPU), and ``gpu_memory_utilization`` of it must
+    be free at start-up. The caller sets
+    vLLM's environment first (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine in this
+    process)."""
+    import torch.distributed as dist
+    from vllm import LLM
+
+    from mcore_refit.inference.vllm.backend import weight_transfer_config
+
+    if not dist.is_initialized():
+        # vLLM makes a process group of its own (a world of one, at a tcp:// address it picks).
+        # In a process spawned by a torchrun rank (a colocated engine), torchrun's
+        # TORCHELASTIC_USE_AGENT_STORE would make that rendezvous a client of a store nobody
+        # serves at that address: it waits until its timeout.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    placement = {}
+    if device is not None and torch.device(device).type == "cuda":
+        placement["device_ids"] = [torch.device(device).index or 0]
+    return LLM(model=str(hf_path), enforce_eager=True, dtype=dtype, seed=seed, **placement,
+               max_model_len=max_model_len, max_num_seqs=4, kv_cache_memory_bytes=kv_cache_bytes,
+               load_format=load_format, skip_tokenizer_init=load_format == "dummy",
+               gpu_memory_utilization=gpu_memory_utilization,
+               weight_transfer_config=weight_transfer_config())
+
+
+def vllm_engine_args(job) -> dict:
+    """The :class:`VllmBenchEngine` arguments of a benchmark job with ``bench.engine=vllm``:
+    its Megatron model's HF config (``megatron.hf_path``, or the preset's config written here),
+    dtype, and the GPU memory that must be free."""
+    from mcore_refit.bench.sources import write_preset_config
+
+    megatron = job.megatron
+    hf_path = megatron.hf_path or write_preset_config(megatron.preset,
+                                                       num_layers=megatron.num_layers)
+    return {"hf_path": hf_path, "dtype": megatron.dtype,
+            "gpu_memory_utilization": job.bench.vllm_gpu_memory_utilization}
+
+
+class VllmBenchEngine:
+    """A vLLM engine over ``hf_path`` with dummy weights, receiving the benchmark's refits."""
+
+    def __init__(self, hf_path: str, *, device: torch.device, dtype: str,
+                 options: TransportOptions, gpu_memory_utilization: float) -> None:
+        self.device = torch.device(device)
+        self.options = options
+        # The KV cache must hold one request of max_model_len (128) tokens: 32 MiB is 128
+        # tokens of Llama-3-8B's (32 layers x 8 KV heads x 128 x K and V in bf16); keep margin.
+        self.llm = refittable_llm(hf_path, dtype=dtype, load_format="dummy",
+                                  kv_cache_bytes=256 << 20,
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  device=self.device)
+
+    def receive(self, init_info, *, num_refits: int, first_timed: int,
+                num_timed: int) -> tuple[list[dict], str | None]:
+        """``num_refits`` refits through ``init_info``'s transport; the receiver telemetry of
+        the timed ones and the error that ended them early (``None`` if none did)."""
+        from mcore_refit.bench.rank import receive_refits
+        from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+        with VllmWeightTransfer(self.llm, device=self.device,
+                                options=self.options) as transfer:
+            return receive_refits(transfer, init_info, num_refits=num_refits,
+                                  first_timed=first_timed, num_timed=num_timed)
+
+    def load_floor(self, repetitions: int) -> tuple[list[float], int]:
+        """Seconds of each of ``repetitions`` loads, by vLLM's loader, of the tensors the last
+        refit brought (as the refit loads them: layerwise reload, whole HF tensors; from
+        ``load_weights`` to the finished reload), and their bytes."""
+
+        def load(worker) -> tuple[list[float], int]:
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            weights = worker.weight_transfer_engine.loader.staged_weights()
+            if not weights:
+                raise RuntimeError("vllm_load_floor needs a refit mode before it (the floor "
+                                   "loads the tensors the last refit brought)")
+            model = worker.model_runner.get_model()
+            times = []
+            for _ in range(repetitions):
+                # As in a refit, the reload is set up before the clock starts (a refit's engine
+                # does it in start_weight_update, before the trainer's refit begins).
+                initialize_layerwise_reload(model)
+                _synchronize(worker.device)
+                started = time.perf_counter()
+                model.load_weights(weights)
+                finalize_layerwise_reload(model, worker.model_runner.model_config)
+                _synchronize(worker.device)
+                times.append(time.perf_counter() - started)
+            return times, sum(tensor.nbytes for _, tensor in weights)
+
+        return self.llm.collective_rpc(load)[0]
+
+
+def _synchronize(device: torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,134 @@
+"""The refit's engine end inside a vLLM worker: received tensors into vLLM's own loader.
+
+:class:`VllmModelLoader` is the :class:`~mcore_refit.refit.transport.WeightLoader` a refit
+receiver writes into. Each refit runs vLLM's layerwise reload
+(``vllm.model_executor.model_loader.reload``): :meth:`begin` puts every layer on the meta device
+with its weight loaders wrapped, the model's own ``load_weights`` takes whole HF tensors (the
+stacking of q/k/v and gate/up, sharding and padding stay vLLM's), and a layer is rebuilt, its
+weights processed (on CPU: repacked for oneDNN) and copied into the tensors the engine computes
+with once all its weights arrived; :meth:`end` finishes the layers still open. A plain
+``model.load_weights`` into a running CPU engine fails (its linear weights are emptied after
+processing), having half-updated ``lm_head`` first.
+
+What the receiver hands over are views of transport slots (refilled right after), so every
+tensor is first copied into :class:`~mcore_refit.inference.vllm.staging.RefitStaging`, where
+pieces from tensor-parallel trainer ranks are assembled too; vLLM sees only staged tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from mcore_refit.inference.vllm.staging import RefitStaging
+from mcore_refit.inference.vllm.verification import ReferenceModel
+from mcore_refit.refit import RefitPlan
+from mcore_refit.refit.plan import Region
+
+
+class VllmModelLoader:
+    """Loads refits into a vLLM model through the layerwise reload; reads them back by name.
+
+    ``plan_of`` returns the receiver's current plan (known once the trainer sent it): the staging
+    is allocated for it at the first refit and again only when the plan changes.
+    ``reference`` builds the model that :meth:`check_loaded` compares with (verification only).
+    """
+
+    def __init__(self, *, model: torch.nn.Module, model_config, device: torch.device,
+                 plan_of: Callable[[], RefitPlan | None],
+                 reference: Callable[[], ReferenceModel]) -> None:
+        self._model = model
+        self._model_config = model_config
+        self._device = torch.device(device)
+        self._plan_of = plan_of
+        self._make_reference = reference
+        self._reference: ReferenceModel | None = None
+        self._staging: RefitStaging | None = None
+        self._reloading = False
+        # Seconds inside vLLM's loader in this refit (its layer processing included).
+        self.vllm_load_s = 0.0
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._staging.nbytes if self._staging is not None else 0
+
+    def begin(self) -> None:
+        """Start a refit: vLLM's layerwise reload takes over the model's weight loaders."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self._reloading:
+            raise RuntimeError("a refit into this vLLM model is already open")
+        initialize_layerwise_reload(self._model)
+        self._reloading = True
+        self.vllm_load_s = 0.0
+        if self._staging is not None:
+            self._staging.begin()
+
+    def end(self) -> None:
+        """Finish the layerwise reload (layers not completed while loading are processed now:
+        padded ones, attention; after a failed refit, untouched layers get their old weights
+        back). Idempotent."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self._reloading:
+            return
+        self._reloading = False
+        started = time.perf_counter()
+        finalize_layerwise_reload(self._model, self._model_config)
+        self.vllm_load_s += time.perf_counter() - started
+
+    # --- WeightLoader ----------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._into_vllm(self._staged().put(weights))
+
+    def load_weight_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
+        self._into_vllm(self._staged().put_pieces(pieces))
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as it arrived in the last refit (the trainer's digests are
+        compared with it); vLLM's parameters are checked by :meth:`check_loaded`."""
+        if self._staging is None:
+            raise ValueError(f"no refit has reached this vLLM model yet (asked for {name!r})")
+        return self._staging.tensor(name)
+
+    def staged_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the plan as it arrived in the last refit (empty before the first)."""
+        staging = self._staging
+        return [] if staging is None else [(name, staging.tensor(name)) for name in staging.names]
+
+    def check_loaded(self) -> str | None:
+        """Compare every vLLM parameter with what vLLM's plain loader makes of the tensors of
+        the last refit (in a reference copy of the model), bitwise; ``None`` when all equal,
+        else a message naming the parameters that differ."""
+        if self._staging is None or self._reloading:
+            return "cannot check vLLM's parameters: no finished refit"
+        if self._reference is None:
+            self._reference = self._make_reference()
+        return self._reference.compare(self._model, self.staged_weights())
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _staged(self) -> RefitStaging:
+        if not self._reloading:
+            raise RuntimeError("weights arrived outside a refit (call begin() first)")
+        plan = self._plan_of()
+        if plan is None:
+            raise RuntimeError("weights arrived before the receiver has a plan")
+        if self._staging is None or self._staging.fingerprint != plan.fingerprint:
+            self._staging = None  # release the old plan's memory before allocating
+            self._staging = RefitStaging(plan, self._device)
+            self._staging.begin()
+        return self._staging
+
+    def _into_vllm(self, whole: list[tuple[str, torch.Tensor]]) -> None:
+        if whole:
+            started = time.perf_counter()
+            self._model.load_weights(whole)
+            self.vllm_load_s += time.perf_counter() - started
+        if self._staging.complete:
+            # Every tensor arrived: finish now, so the engine computes with the new weights
+            # (and a verification reads them) when the trainer's refit returns.
+            self.end()

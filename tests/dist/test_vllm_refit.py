@@ -1,0 +1,220 @@
+"""Refits into a vLLM engine running in this process, over the colocated transport (shared
+memory on CPU), from a trainer in a thread of this process.
+
+vLLM's parameters are checked three ways: the refit's own verification (the trainer's digests
+of what arrived, and every vLLM parameter against a reference copy loaded by vLLM's plain
+loader), and here, independently, against the fused tensors the checkpoint's tensors make
+(``qkv_proj = [q; k; v]``, ``gate_up_proj = [gate; up]``), read back from the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_refit.bench.synthetic import TensorListSource
+from mcore_refit.refit import (
+    IpcInitInfo,
+    IpcSender,
+    LocalSource,
+    RefitError,
+    Refitter,
+    plan_for_source,
+)
+from mcore_refit.refit.config import PlanConfig, TransportOptions
+from mcore_refit.tiny import write_tiny_checkpoint
+from tests.tensors import bits
+from tests.vllm_llm import LLAMA, start_llm
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm") / "llama"
+    write_tiny_checkpoint(path, LLAMA)
+    llm = start_llm(path)
+    yield path, llm
+    del llm
+
+
+class Trainer:
+    """The checkpoint's tensors as a one-rank source, refitted over IPC."""
+
+    def __init__(self, path: Path, options: TransportOptions, *, plan: PlanConfig,
+                 device_id: str) -> None:
+        self.tensors = sorted(load_file(path / "model.safetensors").items())
+        source = LocalSource(TensorListSource(self.tensors))
+        sender = IpcSender(plan=plan_for_source(source, config=plan, device=CPU), device=CPU,
+                           options=options, cpu_device_id=device_id)
+        self.refitter = Refitter(source=source, sender=sender)
+        self.refitter.prepare()
+        self.address = sender.address
+
+    def bump(self, amount: float) -> None:
+        for _, tensor in self.tensors:
+            tensor.add_(amount)
+
+    def expected_vllm_parameters(self) -> dict[str, torch.Tensor]:
+        """What vLLM's Llama computes with, made from the HF tensors without vLLM."""
+        hf = dict(self.tensors)
+        expected = {}
+        for name, tensor in hf.items():
+            if name.endswith("self_attn.q_proj.weight"):
+                prefix = name.removesuffix("q_proj.weight")
+                expected[prefix + "qkv_proj.weight"] = torch.cat(
+                    [hf[prefix + f"{p}_proj.weight"] for p in "qkv"])
+            elif name.endswith("mlp.gate_proj.weight"):
+                prefix = name.removesuffix("gate_proj.weight")
+                expected[prefix + "gate_up_proj.weight"] = torch.cat(
+                    [hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
+            elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+                expected[name] = tensor
+        return expected
+
+    def close(self) -> None:
+        self.refitter.close()
+
+
+def refit(trainer: Trainer, transfer, *, version: int, verify: bool = True) -> dict:
+    """One refit: the trainer in a thread, the engine's four calls here."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["trainer"] = trainer.refitter.refit(verify=verify)
+        except RefitError as error:
+            outcome["trainer_error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        transfer.start_weight_update()
+        try:
+            outcome["engine"] = transfer.update_weights()
+            transfer.finish_weight_update(version)
+        except RefitError as error:
+            outcome["engine_error"] = error
+            with pytest.raises(RefitError, match="keep their previous version label"):
+                transfer.finish_weight_update(version)
+    finally:
+        thread.join(60)
+    assert not thread.is_alive(), "the trainer's refit did not return"
+    return outcome
+
+
+def vllm_mismatches(llm, expected: dict[str, torch.Tensor]) -> list[str]:
+    """Names of vLLM parameters whose values (read back as vLLM computes with them) differ
+    from ``expected``, bitwise; every vLLM parameter must be expected."""
+    from mcore_refit.inference.vllm.verification import read_parameter
+
+    def compare(worker) -> list[str]:
+        model = worker.model_runner.get_model()
+        names = {name for name, _ in model.named_parameters()}
+        bad = sorted(names ^ set(expected))
+        for name, tensor in expected.items():
+            module_name, _, attribute = name.rpartition(".")
+            value = read_parameter(model.get_submodule(module_name), attribute, tensor)
+            if value is None or not torch.equal(bits(value), bits(tensor)):
+                bad.append(name)
+        return bad
+
+    return llm.collective_rpc(compare)[0]
+
+
+def staging_address(llm) -> int:
+    return llm.collective_rpc(
+        lambda worker: worker.weight_transfer_engine.loader._staging._memory.data_ptr())[0]
+
+
+def options(ipc_dir: str) -> TransportOptions:
+    return TransportOptions(checksums=True, timeout_s=30.0, start_timeout_s=60.0,
+                            ipc_dir=ipc_dir)
+
+
+def test_vllm_refit_many_small_buffers_bitwise(llama, ipc_dir):
+    """4 KiB slots: every attention and MLP tensor travels in a slot that the next buffer
+    reuses while vLLM's layer is still incomplete; three refits with other weights each."""
+    from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+    path, llm = llama
+    trainer = Trainer(path, options(ipc_dir), plan=PlanConfig(slot_bytes=4096, num_slots=2),
+                      device_id="vllm-small")
+    assert trainer.refitter.plan.num_buffers >= 30
+    staged_at = []
+    try:
+        with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir)) as transfer:
+            transfer.init_weight_transfer_engine(IpcInitInfo(address=trainer.address))
+            for version in range(3):
+                trainer.bump(0.25 * version)
+                outcome = refit(trainer, transfer, version=version)
+                assert outcome["trainer"].verified is True, outcome
+                assert outcome["engine"].verified is True, outcome
+                assert transfer.weight_version == version
+                assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
+                staged_at.append(staging_address(llm))
+    finally:
+        trainer.close()
+    assert len(set(staged_at)) == 1  # the staging is allocated once, not per refit
+
+
+def test_vllm_refit_catches_views_kept_across_a_reused_slot(llama, ipc_dir, monkeypatch):
+    """The trap: vLLM's layerwise reload keeps what it was given until a layer is complete.
+    Handing it views of the transport's slots (staged copies kept aside, so the trainer's
+    digests still pass) must be caught by the check of vLLM's parameters, naming them."""
+    from mcore_refit.inference.vllm import staging
+    from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+    path, llm = llama
+    trainer = Trainer(path, options(ipc_dir), plan=PlanConfig(slot_bytes=4096, num_slots=2),
+                      device_id="vllm-trap")
+    staged = staging.RefitStaging.put
+
+    def hand_over_slot_views(self, weights):
+        weights = list(weights)
+        staged(self, weights)
+        return weights
+
+    try:
+        with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir)) as transfer:
+            transfer.init_weight_transfer_engine(IpcInitInfo(address=trainer.address))
+            trainer.bump(1.0)
+            with monkeypatch.context() as patch:
+                patch.setattr(staging.RefitStaging, "put", hand_over_slot_views)
+                outcome = refit(trainer, transfer, version=1)
+            for side in ("trainer_error", "engine_error"):
+                assert "vLLM check failed" in str(outcome[side]), outcome
+                assert "differ from what vLLM's own loader makes" in str(outcome[side])
+            assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) != []
+            assert transfer.weight_version is None
+            outcome = refit(trainer, transfer, version=2)  # staged again: exact
+            assert outcome["engine"].verified is True, outcome
+            assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
+    finally:
+        trainer.close()
+
+
+def test_vllm_refit_plan_mismatch_is_named_on_both_sides(llama, ipc_dir):
+    from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+    path, llm = llama
+    trainer = Trainer(path, options(ipc_dir), plan=PlanConfig(slot_bytes=65536, num_slots=2),
+                      device_id="vllm-plan")
+    other = Trainer(path, options(ipc_dir), plan=PlanConfig(slot_bytes=32768, num_slots=2),
+                    device_id="vllm-plan-other")
+    try:
+        with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir),
+                                plan=other.refitter.plan) as transfer:
+            transfer.init_weight_transfer_engine(IpcInitInfo(address=trainer.address))
+            outcome = refit(trainer, transfer, version=0)
+            for side in ("trainer_error", "engine_error"):
+                assert "refit plan mismatch" in str(outcome[side]), outcome
+                assert trainer.refitter.plan.fingerprint[:16] in str(outcome[side])
+                assert other.refitter.plan.fingerprint[:16] in str(outcome[side])
+    finally:
+        trainer.close()
+        other.close()

@@ -1,0 +1,28 @@
+"""A tiny vLLM engine for the tests: in this process, eager, CPU kernels' head size (32)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mcore_refit.tiny import TinyModelSpec
+
+# vLLM in the calling process (so a refit's live process groups reach its worker), no usage
+# reports, no hub lookups.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+# Head size 32: vLLM's CPU attention refuses 16 (the default tiny model's).
+LLAMA = TinyModelSpec(architecture="llama", num_layers=4, hidden_size=128, intermediate_size=256,
+                      num_attention_heads=4, num_key_value_heads=2)
+QWEN3_MOE = TinyModelSpec(architecture="qwen3_moe", num_layers=2, hidden_size=128,
+                          intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                          num_experts=8, num_experts_per_token=2, moe_intermediate_size=64)
+
+
+def start_llm(path: str | Path):
+    """``vllm.LLM`` over the checkpoint at ``path``, refitted through the mcore_refit backend."""
+    os.environ.update(VLLM_ENV)
+    from mcore_refit.bench.vllm import refittable_llm
+
+    return refittable_llm(path)
