@@ -18,7 +18,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--arch", choices=("llama", "qwen2", "qwen3_moe", "gemma2"),
                         default="llama")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=64)
+    # 128 / 4 heads: heads of size 32, the smallest vLLM's CPU attention kernels take.
+    parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=128)

@@ -102,8 +102,11 @@ class GRPOConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class InferenceConfig:
-    """The embedded inference engine."""
+    """The inference engine: the embedded Hugging Face sampler or vLLM."""
 
+    # hf: the embedded Hugging Face sampler (mcore_refit.inference.engine), the exact reference;
+    # vllm: a vLLM engine (mcore_refit.inference.vllm), with the same sampling and logprobs.
+    engine: Literal["hf", "vllm"] = "hf"
     # Non-colocated mode: how many of the launched ranks serve inference (the last ones).
     num_ranks: int = 1
     # Parameter dtype of the engine's model; it must match the trainer's export dtype.
