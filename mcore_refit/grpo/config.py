@@ -10,6 +10,7 @@ from mcore_refit.config import ConfigError, Dtype, ModelConfig, ParallelConfig
 from mcore_refit.grpo.rewards import resolve_reward
 from mcore_refit.grpo.tasks import Operation, check_arithmetic_settings, template_fields
 from mcore_refit.inference.engine import SamplingConfig
+from mcore_refit.inference.vllm.engine import VLLM_TOP_P_PROBLEM, VllmOptions
 from mcore_refit.policy.config import PolicyConfig
 from mcore_refit.refit.config import RefitConfig
 
@@ -118,6 +119,8 @@ class InferenceConfig:
     offload_trainer: bool = False
     # Bound on one engine command (generation of one step, a refit).
     timeout_s: float = 600.0
+    # inference.engine=vllm: how vLLM's engine is sized.
+    vllm: VllmOptions = field(default_factory=VllmOptions)
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -217,6 +220,9 @@ class GRPOJobConfig:
                 f"`inference.sampling.temperature`={temperature}; the trainer must score the "
                 "distribution the engine samples from"
             )
+        if self.inference.engine == "vllm" and self.inference.sampling.top_p < 1:
+            raise ConfigError(f"`inference.sampling.top_p`={self.inference.sampling.top_p} with "
+                              f"`inference.engine`=vllm: {VLLM_TOP_P_PROBLEM}")
         if self.inference.dtype != self.model.dtype:
             raise ConfigError(f"`inference.dtype`={self.inference.dtype} differs from "
                               f"`model.dtype`={self.model.dtype}; refits copy tensors as exported")

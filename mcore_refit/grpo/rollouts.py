@@ -39,19 +39,19 @@ from mcore_refit.control import ControlError, ControlGroup, Outcome, RankFailure
 from mcore_refit.distributed import DistributedContext, SplitJob
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.seeds import derive_seed
-from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
+from mcore_refit.inference.engine import Completion, SamplingConfig
 from mcore_refit.inference.process import (
     EngineProcess,
     EngineSpec,
     completions_from_json,
     completions_to_json,
+    open_engine,
     receive_weight_update,
 )
 from mcore_refit.refit import (
     BroadcastInitInfo,
     BroadcastSender,
     Refitter,
-    WeightTransferEndpoint,
     colocated_sender,
     plan_for_source,
 )
@@ -92,9 +92,7 @@ class ColocatedRollouts:
     def _start_engine(self) -> None:
         config, context = self._config, self._context
         self.engine = EngineProcess(
-            EngineSpec(hf_path=config.model.hf_path, device=str(context.device),
-                       dtype=config.inference.dtype, seed=config.run.seed + context.rank,
-                       transport=config.refit.transport),
+            engine_spec(config, device=context.device, seed=config.run.seed + context.rank),
             timeout_s=config.inference.timeout_s,
         )
 
@@ -293,16 +291,20 @@ class DedicatedRollouts:
 def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
     """The inference ranks' loop: answer trainer rank 0's commands until it says stop."""
     device = job.context.device
-    engine = InferenceEngine(config.model.hf_path, device=device,
-                             dtype=getattr(torch, config.inference.dtype),
-                             seed=config.run.seed + 1000 + job.context.rank)
+    if config.inference.engine == "vllm" and device.type == "cuda" and device.index != 0:
+        raise NotImplementedError(
+            f"inference.engine=vllm on an inference rank on {device}: vLLM's in-process worker "
+            "takes cuda:0 of its process; run non-colocated vLLM with one inference rank per "
+            "host on its first GPU, or use inference.engine=hf")
+    engine, endpoint = open_engine(
+        engine_spec(config, device=device, seed=config.run.seed + 1000 + job.context.rank),
+        device=device)
     timeout_s, peers = config.collective_timeout_s, job.context.peers
     commands = ControlGroup(job.control_group, timeout_s=timeout_s,
                             name="the inference command group",
                             peers=_among(peers, _command_ranks(job)))
     shard, num_shards = job.context.rank, job.num_inference_ranks
-    with WeightTransferEndpoint(engine=engine, device=device,
-                                options=config.refit.transport) as endpoint:
+    with endpoint:
         while True:
             command = commands.broadcast_json(None, src=0, what="trainer rank 0's next command")
             op = command["op"]
@@ -325,6 +327,14 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
                 raise ValueError(f"unknown control command {op!r} from trainer rank 0")
 
 
+def engine_spec(config: GRPOJobConfig, *, device: torch.device, seed: int) -> EngineSpec:
+    """The engine the config asks for (``inference.engine``, its dtype and vLLM sizing), on
+    ``device``, sampling from ``seed``."""
+    return EngineSpec(hf_path=config.model.hf_path, device=str(device),
+                      dtype=config.inference.dtype, seed=seed, transport=config.refit.transport,
+                      engine=config.inference.engine, vllm=config.inference.vllm)
+
+
 def _command_ranks(job: SplitJob) -> list[int]:
     """The job ranks of the inference command group: trainer rank 0 and the inference ranks."""
     return [0, *range(job.num_trainer_ranks, job.num_trainer_ranks + job.num_inference_ranks)]
@@ -334,7 +344,7 @@ def _among(peers, ranks):
     return peers.among(ranks) if peers is not None else None
 
 
-def _generate_shard(engine: InferenceEngine, command: dict, shard: int,
+def _generate_shard(engine, command: dict, shard: int,
                     num_shards: int) -> list[list[dict]]:
     groups = engine.generate(command["prompts"][shard::num_shards],
                              num_samples=command["num_samples"],

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mcore_refit.inference.engine import Completion, InferenceEngine, SamplingConfig
+from mcore_refit.inference.vllm.engine import VllmEngine, VllmOptions
 from mcore_refit.interrupts import reference, resolve, run_child
 from mcore_refit.logs import (
     configure_logging,
@@ -50,20 +51,46 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSpec:
-    """What the engine process builds: model, device, dtype, seed, refit transport options."""
+    """What an engine is built from: which engine, model, device, dtype, seed, refit transport
+    options (and vLLM's sizing for ``engine="vllm"``)."""
 
     hf_path: str
     device: str
     dtype: str
     seed: int
     transport: TransportOptions
+    # "hf": the embedded engine; "vllm": VllmEngine (``inference.engine``).
+    engine: str = "hf"
+    vllm: VllmOptions = dataclasses.field(default_factory=VllmOptions)
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "transport": dataclasses.asdict(self.transport)}
+        return {**dataclasses.asdict(self), "transport": dataclasses.asdict(self.transport),
+                "vllm": dataclasses.asdict(self.vllm)}
 
     @classmethod
     def from_json(cls, data: dict) -> EngineSpec:
-        return cls(**{**data, "transport": TransportOptions(**data["transport"])})
+        return cls(**{**data, "transport": TransportOptions(**data["transport"]),
+                      "vllm": VllmOptions(**data.get("vllm", {}))})
+
+
+def open_engine(spec: EngineSpec, *, device: torch.device):
+    """``(engine, endpoint)``: the engine ``spec`` names on ``device`` and the refit endpoint
+    that loads into it (the embedded engine's :class:`WeightTransferEndpoint`, or
+    :class:`~mcore_refit.inference.vllm.transfer.VllmWeightTransfer` over vLLM's own calls).
+    Both placements build their engines here: the colocated engine process and the inference
+    ranks of a non-colocated job."""
+    dtype = getattr(torch, spec.dtype)
+    if spec.engine == "hf":
+        engine = InferenceEngine(spec.hf_path, device=device, dtype=dtype, seed=spec.seed)
+        return engine, WeightTransferEndpoint(engine=engine, device=device,
+                                              options=spec.transport)
+    if spec.engine == "vllm":
+        engine = VllmEngine(spec.hf_path, device=device, dtype=dtype, seed=spec.seed,
+                            options=spec.vllm)
+        from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+        return engine, VllmWeightTransfer(engine.llm, device=device, options=spec.transport)
+    raise ValueError(f"unknown inference engine {spec.engine!r} (hf, vllm)")
 
 
 class EngineProcess:
@@ -302,12 +329,11 @@ class InferenceServer:
     def __init__(self, spec_json: dict) -> None:
         spec = EngineSpec.from_json(spec_json)
         device = torch.device(spec.device)
+        if device.type == "cuda" and spec.engine == "vllm":
+            device = only_visible_gpu(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.engine = InferenceEngine(spec.hf_path, device=device,
-                                      dtype=getattr(torch, spec.dtype), seed=spec.seed)
-        self.endpoint = WeightTransferEndpoint(engine=self.engine, device=device,
-                                               options=spec.transport)
+        self.engine, self.endpoint = open_engine(spec, device=device)
 
     def do_init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
         self.endpoint.init_weight_transfer_engine(init_info)
@@ -328,3 +354,21 @@ class InferenceServer:
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def only_visible_gpu(device: torch.device) -> torch.device:
+    """Make ``device`` this process's only visible GPU, as ``cuda:0``; before CUDA starts here.
+
+    vLLM's in-process worker always takes ``cuda:0`` of its process: an engine process for the
+    trainer on another GPU sees only that one (``CUDA_VISIBLE_DEVICES``, mapped through the
+    value it inherited). CUDA IPC handles from the trainer open on whichever index names the
+    physical GPU here.
+    """
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA is already initialised in this process: too late to choose "
+                           "the GPU vLLM's worker sees")
+    index = device.index if device.index is not None else 0
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = inherited.split(",") if inherited else [str(i) for i in range(index + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
+    return torch.device("cuda", 0)

@@ -61,11 +61,26 @@ def checkpoint(tmp_path_factory):
                               for row in ROWS])
 def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
         fault, config, nproc, killed, first_line, checkpoint, tmp_path, ipc_dir):
+    check_fault(fault, config, nproc, killed, first_line, checkpoint, tmp_path, ipc_dir)
+
+
+@pytest.mark.timeout(900)
+def test_a_vllm_engine_killed_mid_refit_is_named_first_on_every_rank_within_the_bound(
+        checkpoint, tmp_path, ipc_dir):
+    # vLLM runs inside the engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the kill takes
+    # vLLM's worker and the refit's receiver with it, halfway through trainer rank 1's export.
+    check_fault("engine_during", COLOCATED, 2, None, _ENGINE_DIED.format(what="refit"),
+                checkpoint, tmp_path, ipc_dir, "inference.engine=vllm", timeout_s=840)
+
+
+def check_fault(fault, config, nproc, killed, first_line, checkpoint, tmp_path, ipc_dir,
+                *overrides, timeout_s=540):
+    """Run the fault scenario; every survivor reports ``first_line`` first, within the bounds."""
     launch = run_torchrun(FAULTS, "--fault", fault, "--config", str(config),
                           "--out", str(tmp_path), "--job-id", "faults",
                           f"model.hf_path={checkpoint}", f"run.output_dir={tmp_path / 'run'}",
-                          "run.steps=3", f"refit.transport.ipc_dir={ipc_dir}", nproc=nproc,
-                          timeout_s=540, expect_failure=True)
+                          "run.steps=3", f"refit.transport.ipc_dir={ipc_dir}", *overrides,
+                          nproc=nproc, timeout_s=timeout_s, expect_failure=True)
     ended = time.time()
     kill = json.loads((tmp_path / "kill.json").read_text())
     survivors = [rank for rank in range(nproc) if rank != killed]

@@ -19,9 +19,9 @@ reference:
   are dropped, the next refit fills the weights); on CPU vLLM has no sleep mode and it frees
   nothing. On both, generation is refused until a refit marks the weights loaded again.
 
-Weights arrive through vLLM's weight-transfer interface
-(:class:`mcore_refit.inference.vllm.transfer.VllmWeightTransfer` drives it on :attr:`VllmEngine.llm`),
-never through this class.
+Weights arrive through vLLM's weight-transfer interface, which
+:class:`~mcore_refit.inference.vllm.transfer.VllmWeightTransfer` drives on :attr:`VllmEngine.llm`
+(the engine is built with its backend), never through this class.
 
 vLLM runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it starts in about a
 third of the time, and the refit's receivers reach the model directly. :func:`configure_environment`
@@ -30,10 +30,10 @@ sets that and the other process-wide switches vLLM reads, once, before vLLM is i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,11 +60,33 @@ ENVIRONMENT = {
 }
 
 
-def configure_environment() -> dict[str, str]:
-    """Set :data:`ENVIRONMENT` in this process where the user has not set a value; returns what
-    it set. Call before vLLM is imported (it reads some switches at import)."""
-    applied = {key: value for key, value in ENVIRONMENT.items() if key not in os.environ}
+# On CPU, also (unless set): vLLM's sampler and logprob helpers run eagerly. Compiled, they cost
+# a C++ build at start-up (20 s on an idle 2-core machine, minutes on a loaded one, once per
+# engine process) for nothing a tiny CPU model notices.
+CPU_ENVIRONMENT = {"TORCH_COMPILE_DISABLE": "1"}
+
+
+def configure_environment(device: torch.device) -> dict[str, str]:
+    """Set :data:`ENVIRONMENT` (and on CPU :data:`CPU_ENVIRONMENT`) in this process where the user
+    has not set a value; returns what it set. Call before vLLM is imported (it reads some
+    switches at import).
+
+    In a process without logging configuration (an engine process), vLLM's records below ERROR
+    are dropped: its start-up notes would otherwise reach the terminal through Python's
+    last-resort handler.
+    """
+    wanted = {**ENVIRONMENT, **(CPU_ENVIRONMENT if device.type == "cpu" else {})}
+    applied = {key: value for key, value in wanted.items() if key not in os.environ}
     os.environ.update(applied)
+    if not torch.distributed.is_initialized():
+        # Inherited from torchrun by an engine process: it would make vLLM's own one-process
+        # group join torchrun's agent store, at an address where nothing listens (a silent
+        # wait of vLLM's whole timeout). It concerns only the trainer's process group.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if "TORCH_COMPILE_DISABLE" in applied and "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].config.disable = True  # read at its import, already done
+    if not logging.getLogger().handlers:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     return applied
 
 
@@ -99,13 +121,15 @@ class VllmOptions:
             raise ConfigError(f"`max_model_len` must be ≥ 2 or null, got {self.max_model_len}")
 
 
+VLLM_TOP_P_PROBLEM = ("vLLM reports the logprobs of the top-p-truncated distribution "
+                      "(renormalised over the nucleus), not the trainer's log_softmax(logits / T);"
+                      " use top_p=1, or the hf engine")
+
+
 def check_sampling(sampling: SamplingConfig) -> None:
     """Refuse sampling whose logprobs vLLM cannot report as the trainer computes them."""
     if sampling.top_p < 1:
-        raise ValueError(
-            f"top_p={sampling.top_p} with the vLLM engine: vLLM reports the logprobs of the "
-            "top-p-truncated distribution (renormalised over the nucleus), not the trainer's "
-            "log_softmax(logits / T); use top_p=1 or inference.engine=hf")
+        raise ValueError(f"top_p={sampling.top_p} with the vLLM engine: {VLLM_TOP_P_PROBLEM}")
 
 
 class VllmEngine:
@@ -113,15 +137,16 @@ class VllmEngine:
 
     ``hf_path`` is named as ``model.hf_path`` in errors. Raises :class:`VllmStartError` when vLLM
     cannot load the checkpoint or run a one-token start-up forward (an attention kernel that
-    refuses the model's head size fails there, not at the first step). Call :meth:`close`.
+    refuses the model's head size fails there, not at the first step). vLLM's engine lives as long
+as the process.
     """
 
     def __init__(self, hf_path: str, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  options: VllmOptions = VllmOptions()) -> None:
-        configure_environment()
+        self.device = torch.device(device)
+        configure_environment(self.device)
         from transformers import AutoTokenizer
 
-        self.device = torch.device(device)
         self.hf_path = hf_path
         if not (Path(hf_path) / "config.json").is_file():
             raise VllmStartError(f"model.hf_path={hf_path!r} has no config.json: not a Hugging "
@@ -137,6 +162,8 @@ class VllmEngine:
         try:
             from vllm import LLM
 
+            from mcore_refit.inference.vllm.backend import weight_transfer_config
+
             llm = LLM(
                 model=self.hf_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
                 enforce_eager=True,
@@ -151,6 +178,8 @@ class VllmEngine:
                 max_model_len=options.max_model_len,
                 enable_sleep_mode=self.device.type == "cuda",
                 use_tqdm_on_load=False,
+                # Refits arrive through vLLM's weight-transfer calls, into our receivers.
+                weight_transfer_config=weight_transfer_config(),
             )
         except Exception as error:
             raise VllmStartError(f"vLLM could not start on model.hf_path={self.hf_path!r} "
@@ -270,10 +299,6 @@ class VllmEngine:
             raise ValueError(f"sampling.stop_token {stop_token!r} is not a token of the tokenizer")
         return token_id
 
-    def close(self) -> None:
-        """Drop the engine (vLLM tears down with the process; nothing to wait for)."""
-        self.llm = None
-
 
 def completion_seed(seed: int, index: int) -> int:
     """The seed of completion ``index`` of a call with ``seed`` (distinct per index, < 2**63)."""
@@ -294,7 +319,3 @@ def describe_model(hf_path: str) -> str:
     return (f"{architecture}, {config.num_hidden_layers} layers, hidden size "
             f"{config.hidden_size}, {heads} heads of head size {head_size}, "
             f"{getattr(config, 'num_key_value_heads', heads)} KV heads")
-
-
-def options_to_json(options: VllmOptions) -> dict:
-    return dataclasses.asdict(options)
