@@ -45,3 +45,18 @@ def test_grpo_with_vllm_colocated_learns_and_matches_the_trainer(checkpoint, tmp
     rewards = [record["reward_mean"] for record in metrics(out)]
     assert len(rewards) == 40
     assert mean(rewards[-10:]) > mean(rewards[:10]) + 0.3, rewards
+
+
+@pytest.mark.timeout(900)
+def test_grpo_with_vllm_on_an_inference_rank_refits_by_broadcast(checkpoint, tmp_path):
+    out = tmp_path / "run"
+    result = run_torchrun(RECIPE, "--config", str(NON_COLOCATED), "inference.engine=vllm",
+                          f"model.hf_path={checkpoint}", f"run.output_dir={out}",
+                          "run.steps=15", "run.eval_every=0", "run.verify_refit=true",
+                          nproc=3, timeout_s=840, standalone=True)
+    summary = last_json_line(result.stdout)
+    assert summary["steps"] == 15 and summary["mode"] == "non_colocated"
+    assert 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
+    rewards = [record["reward_mean"] for record in metrics(out)]
+    assert len(rewards) == 15
+    assert mean(rewards[-5:]) > mean(rewards[:5])
