@@ -291,11 +291,6 @@ class DedicatedRollouts:
 def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
     """The inference ranks' loop: answer trainer rank 0's commands until it says stop."""
     device = job.context.device
-    if config.inference.engine == "vllm" and device.type == "cuda" and device.index != 0:
-        raise NotImplementedError(
-            f"inference.engine=vllm on an inference rank on {device}: vLLM's in-process worker "
-            "takes cuda:0 of its process; run non-colocated vLLM with one inference rank per "
-            "host on its first GPU, or use inference.engine=hf")
     engine, endpoint = open_engine(
         engine_spec(config, device=device, seed=config.run.seed + 1000 + job.context.rank),
         device=device)

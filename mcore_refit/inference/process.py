@@ -329,8 +329,6 @@ class InferenceServer:
     def __init__(self, spec_json: dict) -> None:
         spec = EngineSpec.from_json(spec_json)
         device = torch.device(spec.device)
-        if device.type == "cuda" and spec.engine == "vllm":
-            device = only_visible_gpu(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.engine, self.endpoint = open_engine(spec, device=device)
@@ -355,20 +353,3 @@ class InferenceServer:
     def close(self) -> None:
         self.endpoint.close()
 
-
-def only_visible_gpu(device: torch.device) -> torch.device:
-    """Make ``device`` this process's only visible GPU, as ``cuda:0``; before CUDA starts here.
-
-    vLLM's in-process worker always takes ``cuda:0`` of its process: an engine process for the
-    trainer on another GPU sees only that one (``CUDA_VISIBLE_DEVICES``, mapped through the
-    value it inherited). CUDA IPC handles from the trainer open on whichever index names the
-    physical GPU here.
-    """
-    if torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised in this process: too late to choose "
-                           "the GPU vLLM's worker sees")
-    index = device.index if device.index is not None else 0
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = inherited.split(",") if inherited else [str(i) for i in range(index + 1)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
-    return torch.device("cuda", 0)

@@ -104,17 +104,31 @@ def test_vllm_greedy_takes_what_the_hf_engine_takes(engine, reference):
 
 @pytest.mark.timeout(900)
 def test_vllm_stops_at_the_stop_token_and_flags_the_budget(engine, reference):
-    greedy = SamplingConfig(max_new_tokens=5, greedy=True)
-    [[first]] = generate(engine, ["12+7="], num_samples=1, sampling=greedy)
-    assert len(first.token_ids) == 5 and not first.stopped  # the budget ended it
-    # Stop at the first greedy token not seen before it: kept as the last id, cut from the text.
-    tokens = reference.tokenizer.convert_ids_to_tokens(list(first.token_ids))
-    cut = next(i for i in range(1, 5) if tokens[i] not in tokens[:i])
-    stopping = SamplingConfig(max_new_tokens=5, greedy=True, stop_token=tokens[cut])
-    [[stopped]] = generate(engine, ["12+7="], num_samples=1, sampling=stopping)
-    assert stopped.stopped
-    assert stopped.token_ids == first.token_ids[:cut + 1]
-    assert stopped.text == reference.tokenizer.decode(list(first.token_ids[:cut]))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    groups = generate(engine, PROMPTS, num_samples=2, sampling=sampling, seed=3)
+    completions = [c for group in groups for c in group]
+    assert all(len(c.token_ids) == 6 and not c.stopped for c in completions)  # the budget
+    # A stop token that one completion draws mid-way, not before (a random model also draws
+    # ids beyond the tokenizer's vocabulary: those have no token to name).
+    tokenizer = reference.tokenizer
+    stop_id = next(token for c in completions for i, token in enumerate(c.token_ids)
+                   if 1 <= i < 5 and token < len(tokenizer) and token not in c.token_ids[:i])
+    stop_token = tokenizer.convert_ids_to_tokens(stop_id)
+    stopping = SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token=stop_token)
+    again = [c for group in generate(engine, PROMPTS, num_samples=2, sampling=stopping, seed=3)
+             for c in group]
+    # The same seeds draw the same tokens up to the stop token: kept as the last id, cut from
+    # the text; completions that never draw it run to the budget unchanged.
+    for before, after in zip(completions, again, strict=True):
+        if stop_id in before.token_ids:
+            n = before.token_ids.index(stop_id) + 1
+            assert after.stopped
+            assert after.token_ids == before.token_ids[:n]
+            assert after.logprobs == before.logprobs[:n]
+            assert after.text == tokenizer.decode(list(before.token_ids[:n - 1]))
+        else:
+            assert after == before
+    assert sum(after.stopped for after in again) >= 1
 
 
 @pytest.mark.timeout(900)

@@ -164,8 +164,13 @@ as the process.
 
             from mcore_refit.inference.vllm.backend import weight_transfer_config
 
+            placement = {}
+            if self.device.type == "cuda":
+                # vLLM's worker would otherwise take the process's first visible GPU.
+                placement["device_ids"] = [self.device.index or 0]
             llm = LLM(
                 model=self.hf_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                **placement,
                 enforce_eager=True,
                 # Prompts arrive as token ids and completions are decoded here.
                 skip_tokenizer_init=True,
