@@ -158,7 +158,7 @@ class InferenceEngine:
                                "them since; refusing to generate")
         if seed is not None:
             self._generator.manual_seed(seed)
-        stop_id = self._stop_token_id(sampling.stop_token)
+        stop_id = stop_token_id(self.tokenizer, sampling.stop_token)
         prompt_ids = [tuple(self.tokenizer(p, add_special_tokens=False)["input_ids"])
                       for p in prompts]
         self._check_positions(prompts, prompt_ids, sampling.max_new_tokens)
@@ -194,16 +194,6 @@ class InferenceEngine:
                     f"{len(ids) + max_new_tokens} positions, more than the model's {positions} "
                     "(max_position_embeddings): shorten the prompts or lower "
                     "inference.sampling.max_new_tokens")
-
-    def _stop_token_id(self, stop_token: str | None) -> int:
-        if stop_token is None:
-            if self.tokenizer.eos_token_id is None:
-                raise ValueError("sampling.stop_token is null and the tokenizer has no eos token")
-            return self.tokenizer.eos_token_id
-        token_id = self.tokenizer.convert_tokens_to_ids(stop_token)
-        if token_id is None or token_id == self.tokenizer.unk_token_id:
-            raise ValueError(f"sampling.stop_token {stop_token!r} is not a token of the tokenizer")
-        return token_id
 
     def _sample(self, prompts: list[tuple[int, ...]], sampling: SamplingConfig, stop_id: int):
         """Batched sampling with left-padded prompts and a KV cache."""
@@ -267,6 +257,18 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def stop_token_id(tokenizer, stop_token: str | None) -> int:
+    """The id of ``sampling.stop_token``: the tokenizer's end-of-sequence token when null."""
+    if stop_token is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("sampling.stop_token is null and the tokenizer has no eos token")
+        return tokenizer.eos_token_id
+    token_id = tokenizer.convert_tokens_to_ids(stop_token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"sampling.stop_token {stop_token!r} is not a token of the tokenizer")
+    return token_id
 
 
 def pad_token_id(tokenizer, *, where: str) -> int:

@@ -41,7 +41,12 @@ from pathlib import Path
 import torch
 
 from mcore_refit.config import ConfigError
-from mcore_refit.inference.engine import Completion, SamplingConfig, pad_token_id
+from mcore_refit.inference.engine import (
+    Completion,
+    SamplingConfig,
+    pad_token_id,
+    stop_token_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +248,7 @@ as the process.
             raise RuntimeError("the engine's weights were released and no refit has loaded "
                                "them since; refusing to generate")
         check_sampling(sampling)
-        stop_id = self._stop_token_id(sampling.stop_token)
+        stop_id = stop_token_id(self.tokenizer, sampling.stop_token)
         if seed is None:
             seed = self._seeds.getrandbits(62)
         prompt_ids = [tuple(self.tokenizer(p, add_special_tokens=False)["input_ids"])
@@ -294,15 +299,6 @@ as the process.
                                params, use_tqdm=False)
         return [result.outputs[0] for result in results]
 
-    def _stop_token_id(self, stop_token: str | None) -> int:
-        if stop_token is None:
-            if self.tokenizer.eos_token_id is None:
-                raise ValueError("sampling.stop_token is null and the tokenizer has no eos token")
-            return self.tokenizer.eos_token_id
-        token_id = self.tokenizer.convert_tokens_to_ids(stop_token)
-        if token_id is None or token_id == self.tokenizer.unk_token_id:
-            raise ValueError(f"sampling.stop_token {stop_token!r} is not a token of the tokenizer")
-        return token_id
 
 
 def completion_seed(seed: int, index: int) -> int:
