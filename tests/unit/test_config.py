@@ -279,6 +279,14 @@ def test_a_nested_section_error_names_the_full_dotted_key(job, overrides, messag
      "score the distribution the engine samples from"),
     ({"inference": {"dtype": "bfloat16"}},
      "inference.dtype=bfloat16 differs from model.dtype=float32; refits copy tensors as exported"),
+    ({"inference": {"engine": "sglang"}},
+     "config key 'inference.engine' must be one of 'hf', 'vllm', got 'sglang'"),
+    ({"inference": {"engine": "vllm", "sampling": {"top_p": 0.9}}},
+     "inference.sampling.top_p=0.9 with inference.engine=vllm: vLLM reports the logprobs of the "
+     "top-p-truncated distribution (renormalised over the nucleus), not the trainer's "
+     "log_softmax(logits / T); use top_p=1, or the hf engine"),
+    ({"inference": {"vllm": {"max_num_seqs": 0}}},
+     "inference.vllm.max_num_seqs must be ≥ 1, got 0"),
     ({"grpo": {"kl_coef": 0.1}, "policy": {"reference_model": False}},
      "grpo.kl_coef > 0 needs policy.reference_model: true"),
     ({"refit": {"mode": "non_colocated", "transport": {"ipc_sharing": "weights"}}},
