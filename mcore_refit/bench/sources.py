@@ -99,8 +99,8 @@ def build_megatron(config: MegatronSourceConfig, *, device: torch.device):
     return build_model(model_config, model_parallel, device=device)
 
 
-def write_preset_config(preset: str, *, num_layers: int | None = None) -> str:
-    """A config-only checkpoint directory for ``preset`` (random weights need no files)."""
+def preset_config(preset: str, *, num_layers: int | None = None):
+    """The transformers config of ``preset`` (at ``num_layers`` layers when given)."""
     from transformers import AutoConfig
 
     architecture, fields = PRESETS[preset]
@@ -110,8 +110,13 @@ def write_preset_config(preset: str, *, num_layers: int | None = None) -> str:
     model_type = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}[architecture]
     config = AutoConfig.for_model(model_type, **fields)
     config.architectures = [architecture]
+    return config
+
+
+def write_preset_config(preset: str, *, num_layers: int | None = None) -> str:
+    """A config-only checkpoint directory for ``preset`` (random weights need no files)."""
     path = tempfile.mkdtemp(prefix=f"refit_bench_{preset}_")
-    config.save_pretrained(path)
+    preset_config(preset, num_layers=num_layers).save_pretrained(path)
     return path
 
 
