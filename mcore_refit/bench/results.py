@@ -6,10 +6,12 @@ import dataclasses
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_refit.bench.config import TargetsConfig
+from mcore_refit.control import Outcome, is_consequential
 from mcore_refit.refit.telemetry import RefitTelemetry
 
 PHASES = ("export_s", "pack_s", "transfer_s", "load_s", "wait_s", "checksum_s")
@@ -80,19 +82,42 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     return result
 
 
-def receiver_rows(gathered: list[Any], *, mode: str, error: str | None) -> list[dict]:
-    """The inference ranks' telemetry rows from the end-of-mode gather over every rank (trainer
-    ranks send ``[]``). A row of another kind means the ranks fell out of step: some rank left
-    a refit that another was still in. Raised naming the rank, with this rank's own refit error
-    (the likely cause) first."""
+def rank_row(telemetry: list[dict], error: BaseException | None) -> dict[str, Any]:
+    """What one rank contributes to the end-of-mode gather: its timed refits' telemetry (an
+    inference rank's; a trainer rank's is folded locally) and its error, if the mode failed
+    there, marked consequential when it only says that a wait broke (:func:`is_consequential`)."""
+    return {"telemetry": telemetry,
+            "error": Outcome.failed(error).error if error is not None else None,
+            "consequential": error is not None and is_consequential(error)}
+
+
+def fold_rows(gathered: list[Any], *, mode: str,
+              name_of: Callable[[int], str]) -> tuple[list[dict], str | None]:
+    """The inference ranks' telemetry and the mode's error from the end-of-mode gather over
+    every rank (:func:`rank_row` each; ``name_of`` names a rank of the gather).
+
+    The error leads with a root failure, named by its rank (a rank's own error before the
+    timeouts and broken waits it caused); a row of another shape (the ranks fell out of step:
+    one left an exchange that another was still in) is reported after it, never raised.
+    """
+    telemetry: list[dict] = []
+    causes: list[tuple[bool, str]] = []
+    out_of_step: list[str] = []
     for rank, row in enumerate(gathered):
-        if not (isinstance(row, list) and all(isinstance(t, dict) for t in row)):
-            cause = f"this rank's refit failed first: {error}" if error else \
-                "this rank's refits all succeeded"
-            raise RuntimeError(
-                f"mode {mode}: rank {rank} of the launch sent {json.dumps(row)[:200]} where its "
-                f"refit telemetry was due, so the ranks fell out of step; {cause}")
-    return [t for row in gathered for t in row]
+        rows = row.get("telemetry") if isinstance(row, dict) else None
+        if not (isinstance(rows, list) and all(isinstance(t, dict) for t in rows)):
+            out_of_step.append(f"{name_of(rank)} sent {json.dumps(row)[:200]} where its "
+                               "telemetry was due: the ranks fell out of step")
+            continue
+        telemetry.extend(rows)
+        if row.get("error"):
+            causes.append((bool(row.get("consequential")), f"{name_of(rank)}: {row['error']}"))
+    texts = [text for _, text in sorted(causes, key=lambda cause: cause[0])] + out_of_step
+    unique = list(dict.fromkeys(texts))
+    if not unique:
+        return telemetry, None
+    then = "".join(f"\nthen: {text}" for text in unique[1:])
+    return telemetry, f"mode {mode} failed on {unique[0]}{then}"
 
 
 def summarize(results: list[ModeResult], *, source: str, placement: str,

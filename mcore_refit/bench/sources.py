@@ -65,6 +65,13 @@ class BenchSources:
         # (a copy would only take memory the MoE set on one GPU does not have).
         return self.main
 
+    def prepare(self, mode: str, plan: RefitPlan) -> None:
+        """What ``mode``'s refits need before the first one: ``transport_alone``'s capture
+        (collective over the trainer ranks)."""
+        source = self.for_mode(mode)
+        if isinstance(source, Captured):
+            source.capture(plan)
+
     def captured(self) -> Captured:
         """The main source's tensors captured in memory (built on first use, then kept)."""
         if self._captured is None:
@@ -138,10 +145,15 @@ class Captured:
         return self._source.layout()
 
     def begin(self, plan: RefitPlan) -> _CapturedPass:
+        self.capture(plan)
+        return _CapturedPass(self._tensors)
+
+    def capture(self, plan: RefitPlan) -> None:
+        """Capture the tensors ``plan`` sends from this rank, unless held for it already."""
         if self._fingerprint != plan.fingerprint:
+            self._tensors = None  # the old capture's memory first
             self._tensors = self._capture(plan)
             self._fingerprint = plan.fingerprint
-        return _CapturedPass(self._tensors)
 
     def _capture(self, plan: RefitPlan) -> list[tuple[str, torch.Tensor]]:
         refit_pass = self._source.begin(plan)

@@ -19,9 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from mcore_refit.bench.rank import BenchRank
-from mcore_refit.bench.results import ModeResult, progress, receiver_rows, transport_result
+from mcore_refit.bench.results import (
+    ModeResult,
+    fold_rows,
+    progress,
+    rank_row,
+    transport_result,
+)
 from mcore_refit.bench.sources import BenchSources
-from mcore_refit.control import ControlGroup
+from mcore_refit.control import ControlGroup, Outcome
 from mcore_refit.distributed import SplitJob
 from mcore_refit.refit import (
     BroadcastInitInfo,
@@ -160,54 +166,77 @@ def _naive_receiver(bench: SplitBench, mode: str) -> None:
 
 
 def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
-    """Warm-up and timed refits of ``mode``'s source, then one verified refit."""
+    """Warm-up and timed refits of ``mode``'s source, then one verified refit.
+
+    Every step a rank can fail in alone (capturing the source, allocating slots and engines)
+    ends in an outcome exchange over every rank, and a failed refit raises on every rank, so
+    all ranks leave the mode together and meet at its end-of-mode gather in step; the mode's
+    error names the root failure and its rank first (:func:`fold_rows`).
+    """
     job, split = bench.job, bench.split
     source = bench.sources.for_mode(mode)
     plan = plan_for_source(source, config=bench.plan_config(mode), device=bench.device)
-    sender = BroadcastSender(plan=plan, placement=split.placement, rank=split.global_rank,
-                             control=bench.control,
-                             data_group=split.data_groups.get(split.global_rank),
-                             device=bench.device, options=job.refit.transport,
-                             cpu_device_id=f"bench{split.global_rank}")
     timed, verified, error = [], None, None
-    with Refitter(source=source, sender=sender) as refitter:
-        refitter.prepare()
-        for index in range(bench.num_refits()):
-            verify = job.bench.verify and index == bench.num_refits() - 1
-            try:
+    try:
+        _in_step(bench, f"capturing the source of {mode}", bench.sources.prepare, mode, plan)
+        sender = BroadcastSender(plan=plan, placement=split.placement, rank=split.global_rank,
+                                 control=bench.control,
+                                 data_group=split.data_groups.get(split.global_rank),
+                                 device=bench.device, options=job.refit.transport,
+                                 cpu_device_id=f"bench{split.global_rank}")
+        with Refitter(source=source, sender=sender) as refitter:
+            _in_step(bench, f"preparing the slots and engines of {mode}", refitter.prepare)
+            for index in range(bench.num_refits()):
+                verify = job.bench.verify and index == bench.num_refits() - 1
                 telemetry = refitter.refit(verify=verify)
-            except Exception:  # every rank took part in the failed refit; the mode ends
-                error, verified = traceback.format_exc(), False
-                break
-            if bench.timed(index):
-                timed.append(telemetry)
-            if verify:
-                verified = telemetry.verified is True
-    received = receiver_rows(
-        bench.control.all_gather_json([], what=f"the receivers' telemetry of {mode}"),
-        mode=mode, error=error)
+                if bench.timed(index):
+                    timed.append(telemetry)
+                if verify:
+                    verified = telemetry.verified is True
+    except Exception as failure:  # raised on every rank alike; the mode ends
+        error, verified = failure, False
+    received, message = fold_rows(
+        bench.control.all_gather_json(rank_row([], error),
+                                      what=f"the receivers' telemetry of {mode}"),
+        mode=mode, name_of=split.placement.name_of)
     return transport_result(mode, plan, timed, received, verified=verified,
-                            device=bench.device_name, error=error)
+                            device=bench.device_name, error=message)
 
 
 def _refit_receiver(bench: SplitBench, mode: str) -> None:
     split, options = bench.split, bench.job.refit.transport
     info = BroadcastInitInfo(placement=split.placement, receiver=split.context.rank,
                              control=bench.control, data_groups=split.data_groups)
-    receiver = info.connect(device=bench.device, options=options, plan=None)
-    timed = []
-    with receiver:
-        receiver.prepare()
-        engine = TensorDictEngine.from_specs(receiver.plan.specs(), device=bench.device)
-        try:
+    timed, error = [], None
+    try:
+        _in_step(bench, f"capturing the source of {mode}", lambda: None)
+        receiver = info.connect(device=bench.device, options=options, plan=None)
+        with receiver:
+            def ready() -> TensorDictEngine:
+                receiver.prepare()
+                return TensorDictEngine.from_specs(receiver.plan.specs(), device=bench.device)
+
+            engine = _in_step(bench, f"preparing the slots and engines of {mode}", ready)
             for index in range(bench.num_refits()):
                 telemetry = receiver.receive(engine)
                 if bench.timed(index):
                     timed.append(telemetry.as_dict())
-        except Exception:  # the refit failed on every rank: the trainers report it
-            print(f"bench: inference rank {split.global_rank}: {mode} refit {index} failed:\n"
-                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-    bench.control.all_gather_json(timed, what=f"the receivers' telemetry of {mode}")
+    except Exception as failure:  # raised on every rank alike: the trainers report it
+        error = failure
+        print(f"bench: inference rank {split.global_rank - split.num_trainer_ranks}: {mode} "
+              f"failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    bench.control.all_gather_json(rank_row(timed, error),
+                                  what=f"the receivers' telemetry of {mode}")
+
+
+def _in_step(bench: SplitBench, what: str, action: Callable, *args):
+    """``action(*args)`` on this rank, then its outcome shared with every rank of the launch:
+    :class:`~mcore_refit.control.RankFailure` on every rank, naming the failing rank, if it
+    failed on any."""
+    outcome = Outcome.of(action, *args)
+    bench.control.share_outcomes(outcome if not outcome.ok else Outcome(ok=True), what=what,
+                                 who=bench.split.placement.name_of)
+    return outcome.value
 
 
 # --- the export alone ------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import typing
 
 import pytest
+import torch
 
 from mcore_refit.bench import colocated, split
 from mcore_refit.bench.config import (
@@ -14,9 +15,16 @@ from mcore_refit.bench.config import (
     TargetsConfig,
     check_layout,
 )
-from mcore_refit.bench.results import ModeResult, receiver_rows, summarize
+from mcore_refit.bench.results import (
+    ModeResult,
+    fold_rows,
+    rank_row,
+    summarize,
+    transport_result,
+)
 from mcore_refit.config import ConfigError, ParallelConfig, load_config
 from mcore_refit.refit.config import RefitConfig
+from mcore_refit.refit.transport import RefitTimeout
 
 TP1 = ParallelConfig()
 TP2 = ParallelConfig(tensor=2)
@@ -156,17 +164,48 @@ def test_a_failed_verification_fails_the_summary():
     assert summary["all_verified"] is False
 
 
-def test_receiver_rows_out_of_step_name_the_rank_and_this_ranks_refit_error_first():
+def name_of(rank: int) -> str:
+    return f"trainer rank {rank}" if rank < 2 else f"inference rank {rank - 2}"
+
+
+def test_the_fold_returns_the_receivers_telemetry():
     row = {"total_s": 0.1, "peak_extra_bytes": 0}
-    assert receiver_rows([[], [], [row, row]], mode="engine", error=None) == [row, row]
-    # An inference rank still in a refit's outcome exchange while the trainers gather telemetry
-    # (a refit failed on the trainer ranks only): its outcome arrives instead of its rows.
+    gathered = [rank_row([], None), rank_row([], None), rank_row([row, row], None)]
+    assert fold_rows(gathered, mode="engine", name_of=name_of) == ([row, row], None)
+
+
+def test_the_fold_names_a_failed_receivers_root_failure_first():
+    """A receiver ran out of memory while preparing; the trainer ranks only saw the shared
+    failure, or timed out waiting. The fold must not raise, and must lead with the OOM."""
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    except torch.OutOfMemoryError as error:
+        oom = rank_row([], error)
+    timeout = rank_row([], RefitTimeout("timed out after 120 s waiting for buffer 3"))
+    gathered = [timeout, rank_row([], None), oom]
+    telemetry, error = fold_rows(gathered, mode="transport_alone", name_of=name_of)
+    assert telemetry == []
+    assert error.startswith("mode transport_alone failed on inference rank 0: "
+                            "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB\n")
+    assert error.index("\nthen: trainer rank 0: RefitTimeout: timed out after 120 s") > 0
+    result = transport_result("transport_alone", _Plan(), [], telemetry, verified=False,
+                              device="cpu", error=error)
+    assert result.error == error and result.refit_s == []
+
+
+def test_rows_out_of_step_are_reported_after_the_root_failure_never_raised():
+    # An inference rank still in a refit's outcome exchange while the trainers gather telemetry:
+    # its outcome arrives instead of its row.
     outcome = {"ok": True, "value": None, "error": None, "error_type": None, "waited": False}
-    with pytest.raises(RuntimeError, match=r"^mode transport_alone: rank 2 of the launch sent "
-                                           r"\{\"ok\": true.* where its refit telemetry was due, "
-                                           r"so the ranks fell out of step; this rank's refit "
-                                           r"failed first: torch.OutOfMemoryError: CUDA out"):
-        receiver_rows([[], [], outcome], mode="transport_alone",
-                      error="torch.OutOfMemoryError: CUDA out of memory")
-    with pytest.raises(RuntimeError, match="this rank's refits all succeeded$"):
-        receiver_rows([[], ["a"]], mode="engine", error=None)
+    failed = rank_row([], RuntimeError("trainer rank 1's export broke"))
+    _, error = fold_rows([failed, ["a"], outcome], mode="engine", name_of=name_of)
+    assert error.splitlines()[0] == ("mode engine failed on trainer rank 0: RuntimeError: "
+                                     "trainer rank 1's export broke")
+    assert error.endswith('\nthen: trainer rank 1 sent ["a"] where its telemetry was due: the '
+                          'ranks fell out of step\nthen: inference rank 0 sent {"ok": true, '
+                          '"value": null, "error": null, "error_type": null, "waited": false} '
+                          'where its telemetry was due: the ranks fell out of step')
+
+
+class _Plan:
+    payload_bytes, num_tensors, num_buffers, sources, largest_tensor_bytes = 1, 1, 1, [0], 1
