@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 
 from mcore_refit.config import ConfigError, Dtype, LayerSpec, ParallelConfig
-from mcore_refit.refit.config import RefitConfig
+from mcore_refit.refit.config import Fanout, RefitConfig
 
 Mode = Literal["raw_link", "naive", "single_buffer", "engine", "export_alone", "transport_alone",
                "bridge_export", "bridge_export_alone", "shared_weights"]
@@ -21,6 +21,8 @@ Preset = Literal["llama3_8b", "qwen3_30b_a3b", "tiny_llama", "tiny_qwen3_moe"]
 BRIDGE_MODES = ("bridge_export", "bridge_export_alone")
 # Modes only the colocated placement has (the engine reads the trainer's tensors in place).
 COLOCATED_MODES = ("shared_weights",)
+# Modes that refit (once per fan-out with bench.fanouts).
+REFIT_MODES = ("single_buffer", "engine", "transport_alone", "bridge_export")
 # Modes a launch without inference ranks (bench.trainer_only) can run.
 EXPORT_MODES = ("export_alone", "bridge_export_alone")
 
@@ -36,12 +38,15 @@ class TargetsConfig:
     copy_fraction_moe: float = 0.25
     # Megatron source: the refit over the same refit from tensors in memory (transport alone).
     refit_over_transport: float = 1.15
+    # Colocated on several GPUs: the refit over its floor (each GPU's ingress of the other ranks'
+    # bytes, plus its own share at device-copy speed, measured in the same run).
+    refit_over_floor: float = 1.15
     # Megatron source: Megatron-Bridge's export (or refit) over this export's (or refit's).
     speedup_over_bridge: float = 3.0
 
     def __post_init__(self) -> None:
         for key in ("link_fraction", "copy_fraction_dense", "copy_fraction_moe",
-                    "refit_over_transport", "speedup_over_bridge"):
+                    "refit_over_transport", "refit_over_floor", "speedup_over_bridge"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"`{key}` must be a positive number, got {value!r}")
@@ -72,6 +77,9 @@ class BenchConfig:
     # Launch the trainer ranks only and time the export paths alone (export_alone,
     # bridge_export_alone): no inference process shares a device.
     trainer_only: bool = False
+    # Non-colocated: run every refit mode once per fan-out strategy (refit.transport.fanout),
+    # reported as mode/fanout (engine/broadcast, engine/relay, ...); null: the configured one.
+    fanouts: list[Fanout] | None = None
     targets: TargetsConfig = field(default_factory=TargetsConfig)
 
     def __post_init__(self) -> None:
@@ -92,6 +100,10 @@ class BenchConfig:
         if bridge and self.source != "megatron":
             raise ConfigError(f"`modes` {bridge} measure Megatron-Bridge's export: they need "
                               f"`source`=megatron, got {self.source!r}")
+        if self.fanouts is not None and (not self.fanouts
+                                         or len(set(self.fanouts)) != len(self.fanouts)):
+            raise ConfigError(f"`fanouts` must be distinct entries of "
+                              f"{', '.join(typing.get_args(Fanout))}, or null; got {self.fanouts}")
         if self.trainer_only and any(m not in EXPORT_MODES for m in self.modes):
             raise ConfigError(f"`trainer_only`=true times the export paths alone: `modes` must "
                               f"be among {', '.join(EXPORT_MODES)}, got {self.modes}")
@@ -134,6 +146,9 @@ class RefitBenchJob:
     megatron: MegatronSourceConfig = field(default_factory=MegatronSourceConfig)
 
     def __post_init__(self) -> None:
+        if self.bench.fanouts is not None and self.refit.mode != "non_colocated":
+            raise ConfigError(f"`bench.fanouts` compares how buffers reach the inference ranks "
+                              f"of a non-colocated run; got refit.mode={self.refit.mode}")
         colocated_only = [m for m in self.bench.modes if m in COLOCATED_MODES]
         if colocated_only and self.refit.mode != "colocated":
             raise ConfigError(f"`bench.modes` {', '.join(colocated_only)} needs "

@@ -40,6 +40,12 @@ class ModeResult:
     receiver_new_allocations: int | None = None
     receiver_new_segments: int | None = None
     error: str | None = None
+    # Non-colocated refit modes: how buffers reached the inference ranks (refit.transport.fanout).
+    fanout: str | None = None
+    # Colocated raw link with several ranks: each GPU's ingress over its links (an all-gather).
+    ingress_gbps: float | None = None
+    # Refit modes: the payload bytes each source rank sends (the floor's local shares).
+    source_bytes: list[int] | None = None
 
     @property
     def refit_s_median(self) -> float:
@@ -66,7 +72,9 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
                         num_tensors=plan.num_tensors, num_buffers=plan.num_buffers,
                         num_sources=len(plan.sources),
                         held_bytes=max((t.held_bytes for t in sender), default=None),
-                        largest_tensor_bytes=plan.largest_tensor_bytes, error=error)
+                        largest_tensor_bytes=plan.largest_tensor_bytes, error=error,
+                        source_bytes=[sum(b.wire_bytes for b in plan.buffers if b.source == s)
+                                      for s in plan.sources])
     if sender:
         result.phases = {p: round(statistics.median(getattr(t, p) for t in sender), 6)
                          for p in PHASES}
@@ -130,30 +138,15 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
                       "fraction_of_link": round(r.gbps / link_gbps, 4) if link_gbps else None,
                       "verified": r.verified} for r in results}
     checks: dict[str, Any] = {}
-    engine = by_mode.get("engine")
-    if engine is not None and link_gbps and source != "megatron":
-        if placement == "non_colocated":
-            needed = targets.link_fraction
-        else:
-            needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
-                      else targets.copy_fraction_dense)
-        checks["transport_vs_link"] = _at_least(engine.gbps / link_gbps, needed)
-    shared = by_mode.get("shared_weights")
-    if shared is not None and link_gbps and source != "megatron":
-        needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
-                  else targets.copy_fraction_dense)
-        checks["shared_weights_vs_link"] = _at_least(shared.gbps / link_gbps, needed)
-    transport = by_mode.get("transport_alone")
-    if engine is not None and transport is not None:
-        checks["refit_vs_transport_alone"] = {
-            **_at_most(_ratio(engine.refit_s_median, transport.refit_s_median),
-                       targets.refit_over_transport),
-            "refit_s": round(engine.refit_s_median, 6),
-            "transport_s": round(transport.refit_s_median, 6)}
-    bridge = by_mode.get("bridge_export")
-    if engine is not None and bridge is not None:
-        checks["refit_speedup_over_bridge_export"] = {
-            "ratio": round(_ratio(bridge.refit_s_median, engine.refit_s_median), 4)}
+    # One set of refit checks per fan-out (bench.fanouts: engine/broadcast, engine/relay, ...).
+    suffixes = list(dict.fromkeys(r.mode[len(r.mode.split("/")[0]):] for r in results))
+    for suffix in suffixes:
+        found = {mode: by_mode.get(mode + suffix) for mode in
+                 ("engine", "transport_alone", "bridge_export", "shared_weights")}
+        for key, check in _refit_checks(found, link=link, source=source, placement=placement,
+                                        targets=targets,
+                                        alignment_bytes=alignment_bytes).items():
+            checks[key + suffix.replace("/", "@")] = check
     export, bridge_alone = by_mode.get("export_alone"), by_mode.get("bridge_export_alone")
     if export is not None and bridge_alone is not None:
         checks["export_speedup_over_bridge_export"] = {
@@ -161,6 +154,47 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
                         targets.speedup_over_bridge),
             "export_s": round(export.refit_s_median, 6),
             "bridge_export_s": round(bridge_alone.refit_s_median, 6)}
+    return {"summary": True, "source": source, "placement": placement,
+            "device": results[0].device if results else None,
+            "raw_link_gbps": round(link_gbps, 3) if link_gbps else None,
+            "modes": modes, "targets": checks,
+            "all_verified": all(r.verified is not False for r in results)}
+
+
+def _refit_checks(found: dict[str, ModeResult | None], *, link: ModeResult | None, source: str,
+                  placement: str, targets: TargetsConfig,
+                  alignment_bytes: int) -> dict[str, Any]:
+    """The checks of one fan-out's refit modes (``found``: engine, transport_alone, ...)."""
+    checks: dict[str, Any] = {}
+    link_gbps = link.gbps if link is not None else None
+    engine, transport = found["engine"], found["transport_alone"]
+    if engine is not None and link_gbps and source != "megatron":
+        if placement == "non_colocated":
+            needed = targets.link_fraction
+        else:
+            needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
+                      else targets.copy_fraction_dense)
+        checks["transport_vs_link"] = _at_least(engine.gbps / link_gbps, needed)
+    shared = found["shared_weights"]
+    if shared is not None and link_gbps and source != "megatron":
+        needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
+                  else targets.copy_fraction_dense)
+        checks["shared_weights_vs_link"] = _at_least(shared.gbps / link_gbps, needed)
+    if engine is not None and transport is not None:
+        checks["refit_vs_transport_alone"] = {
+            **_at_most(_ratio(engine.refit_s_median, transport.refit_s_median),
+                       targets.refit_over_transport),
+            "refit_s": round(engine.refit_s_median, 6),
+            "transport_s": round(transport.refit_s_median, 6)}
+    bridge = found["bridge_export"]
+    if engine is not None and bridge is not None:
+        checks["refit_speedup_over_bridge_export"] = {
+            "ratio": round(_ratio(bridge.refit_s_median, engine.refit_s_median), 4)}
+    floor = colocated_floor_s(engine, link)
+    if floor is not None:
+        checks["refit_vs_floor"] = {
+            **_at_most(_ratio(engine.refit_s_median, floor), targets.refit_over_floor),
+            "refit_s": round(engine.refit_s_median, 6), "floor_s": round(floor, 6)}
     if engine is not None and engine.peak_extra_bytes is not None:
         bound = engine.held_bytes + engine.largest_tensor_bytes + 2 * alignment_bytes
         checks["peak_extra_memory"] = {"bytes": engine.peak_extra_bytes, "bound": bound,
@@ -171,11 +205,20 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
             "receiver_new_allocations": engine.receiver_new_allocations,
             "receiver_new_segments": engine.receiver_new_segments,
             "met": engine.new_segments == 0 and not engine.receiver_new_segments}
-    return {"summary": True, "source": source, "placement": placement,
-            "device": results[0].device if results else None,
-            "raw_link_gbps": round(link_gbps, 3) if link_gbps else None,
-            "modes": modes, "targets": checks,
-            "all_verified": all(r.verified is not False for r in results)}
+    return checks
+
+
+def colocated_floor_s(engine: ModeResult | None, link: ModeResult | None) -> float | None:
+    """The least time a colocated refit on several GPUs can take: on the slowest GPU, the bytes
+    of the other ranks' sources over its ingress (``link.ingress_gbps``, an all-gather in the
+    same run) plus its own source's bytes at device-copy speed (``link.gbps``). None unless
+    both were measured."""
+    if engine is None or link is None or not engine.source_bytes or not link.ingress_gbps \
+            or link.gbps <= 0:
+        return None
+    total = sum(engine.source_bytes)
+    return max((total - own) / (link.ingress_gbps * 1e9) + own / (link.gbps * 1e9)
+               for own in engine.source_bytes)
 
 
 def emit(line: dict[str, Any], output: str | None) -> None:

@@ -10,6 +10,7 @@ outcome exchange (both span every rank); an export's is the slowest trainer rank
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_refit.bench.config import REFIT_MODES
 from mcore_refit.bench.rank import BenchRank
 from mcore_refit.bench.results import (
     ModeResult,
@@ -37,6 +39,7 @@ from mcore_refit.refit import (
     plan_for_source,
 )
 from mcore_refit.refit.checksum import DigestRecorder, verify_engine_weights
+from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.group import GroupCollectives
 from mcore_refit.refit.plan import spec_from_json, spec_to_json
 from mcore_refit.refit.streams import DeviceStreams
@@ -50,6 +53,14 @@ class SplitBench(BenchRank):
     control: ControlGroup  # every rank of the launch
     trainers: ControlGroup  # the trainer ranks
     sources: BenchSources | None  # trainer ranks only
+    fanout: str | None = None  # the refit mode's fan-out (bench.fanouts), None: configured
+
+    @property
+    def options(self) -> TransportOptions:
+        """The transport options of the mode running now."""
+        options = self.job.refit.transport
+        return options if self.fanout is None else dataclasses.replace(options,
+                                                                       fanout=self.fanout)
 
     @property
     def is_trainer(self) -> bool:
@@ -61,19 +72,27 @@ class SplitBench(BenchRank):
 
 
 def run_split(bench: SplitBench) -> list[ModeResult] | None:
-    """Every mode of ``bench.job.bench.modes``; the results on trainer rank 0, else None."""
+    """Every mode of ``bench.job.bench.modes`` (a refit mode once per ``bench.fanouts``, named
+    ``mode/fanout``); the results on trainer rank 0, else None."""
     results = []
+    fanouts = bench.job.bench.fanouts
     for mode in bench.job.bench.modes:
-        bench.control.barrier(what=f"every rank at the start of mode {mode}",
-                              timeout_s=bench.job.refit.transport.start_timeout_s)
-        role = MODES[mode]
-        if bench.is_trainer:
-            results.append(role.trainer(bench, mode))
-            if bench.rank == 0:
-                progress(results[-1])
-        else:
-            role.receiver(bench, mode)
-        bench.synchronize()
+        for fanout in fanouts if fanouts and mode in REFIT_MODES else [None]:
+            name = mode if fanout is None else f"{mode}/{fanout}"
+            bench.fanout = fanout
+            bench.control.barrier(what=f"every rank at the start of mode {name}",
+                                  timeout_s=bench.job.refit.transport.start_timeout_s)
+            role = MODES[mode]
+            if bench.is_trainer:
+                result = role.trainer(bench, mode)
+                if result is not None and mode in REFIT_MODES:
+                    result.mode, result.fanout = name, bench.options.fanout
+                results.append(result)
+                if bench.rank == 0:
+                    progress(results[-1])
+            else:
+                role.receiver(bench, mode)
+            bench.synchronize()
     return results if bench.is_trainer and bench.rank == 0 else None
 
 
@@ -182,7 +201,7 @@ def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
         sender = BroadcastSender(plan=plan, placement=split.placement, rank=split.global_rank,
                                  control=bench.control,
                                  data_group=split.data_groups.get(split.global_rank),
-                                 device=bench.device, options=job.refit.transport,
+                                 links=split.links, device=bench.device, options=bench.options,
                                  cpu_device_id=f"bench{split.global_rank}")
         with Refitter(source=source, sender=sender) as refitter:
             _in_step(bench, f"preparing the slots and engines of {mode}", refitter.prepare)
@@ -204,9 +223,10 @@ def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
 
 
 def _refit_receiver(bench: SplitBench, mode: str) -> None:
-    split, options = bench.split, bench.job.refit.transport
+    split, options = bench.split, bench.options
     info = BroadcastInitInfo(placement=split.placement, receiver=split.context.rank,
-                             control=bench.control, data_groups=split.data_groups)
+                             control=bench.control, data_groups=split.data_groups,
+                             links=split.links)
     timed, error = [], None
     try:
         _in_step(bench, f"capturing the source of {mode}", lambda: None)
