@@ -17,6 +17,7 @@ from mcore_refit.bench.config import (
 )
 from mcore_refit.bench.results import (
     ModeResult,
+    colocated_floor_s,
     fold_rows,
     rank_row,
     summarize,
@@ -141,6 +142,45 @@ def test_summary_checks_the_targets_it_is_given():
     assert checks["refit_vs_transport_alone"]["met"] is False
 
 
+def test_summary_checks_each_fanout_on_its_own():
+    results = [result("raw_link", 1.0),
+               result("engine/broadcast", 1.3, verified=True, fanout="broadcast"),
+               result("transport_alone/broadcast", 1.2, verified=True, fanout="broadcast"),
+               result("engine/relay", 1.05, verified=True, fanout="relay"),
+               result("transport_alone/relay", 1.0, verified=True, fanout="relay")]
+    summary = summarize(results, source="megatron", placement="non_colocated",
+                        targets=TargetsConfig(), alignment_bytes=256)
+    checks = summary["targets"]
+    assert set(checks) == {"refit_vs_transport_alone@broadcast", "refit_vs_transport_alone@relay"}
+    assert checks["refit_vs_transport_alone@relay"]["ratio"] == 1.05
+    assert checks["refit_vs_transport_alone@broadcast"]["ratio"] == 1.0833
+    assert set(summary["modes"]) == {r.mode for r in results}
+
+
+def test_a_colocated_refit_on_several_gpus_is_checked_against_its_floor():
+    # 4 GPUs, 40 GB: rank 3 sends nothing, so it receives all 40 GB over its 400 GB/s ingress
+    # (0.1 s); rank 0 receives 30 GB (0.075 s) and copies its 10 GB at 2000 GB/s (0.005 s).
+    link = result("raw_link", 0.0005, ingress_gbps=400.0)  # 1 GB copied at 2000 GB/s
+    engine = result("engine", 0.11, payload=40_000_000_000, verified=True,
+                    source_bytes=[10_000_000_000, 15_000_000_000, 15_000_000_000, 0])
+    assert colocated_floor_s(engine, link) == pytest.approx(0.1)
+    check = summarize([link, engine], source="megatron", placement="colocated",
+                      targets=TargetsConfig(), alignment_bytes=256)["targets"]["refit_vs_floor"]
+    assert check == {"ratio": 1.1, "target": 1.15, "met": True, "refit_s": 0.11,
+                     "floor_s": 0.1}
+    assert colocated_floor_s(engine, result("raw_link", 0.0005)) is None  # one GPU: no ingress
+
+
+def test_fanouts_are_distinct_and_for_non_colocated_runs():
+    assert load_config(RefitBenchJob, None, ["bench.fanouts=[broadcast,relay]"]).bench.fanouts \
+        == ["broadcast", "relay"]
+    with pytest.raises(ConfigError, match=r"^bench.fanouts must be distinct entries of "
+                                          r"broadcast, relay, or null; got \['relay', 'relay'\]"):
+        load_config(RefitBenchJob, None, ["bench.fanouts=[relay,relay]"])
+    with pytest.raises(ConfigError, match="bench.fanouts compares how buffers reach"):
+        load_config(RefitBenchJob, None, ["bench.fanouts=[relay]", "refit.mode=colocated"])
+
+
 def test_summary_uses_the_colocated_targets_per_set_and_bounds_peak_memory():
     targets = TargetsConfig(copy_fraction_dense=0.35, copy_fraction_moe=0.25)
     engine = dict(verified=True, held_bytes=2000, largest_tensor_bytes=1000)
@@ -209,3 +249,4 @@ def test_rows_out_of_step_are_reported_after_the_root_failure_never_raised():
 
 class _Plan:
     payload_bytes, num_tensors, num_buffers, sources, largest_tensor_bytes = 1, 1, 1, [0], 1
+    buffers = ()
