@@ -13,9 +13,10 @@
   of its buffers once, every engine's ingress the whole model once, and every engine's egress
   (K − 1) / K of it for K engines, all links busy at once.
 
-A *link* is a two-rank process group for one direction of one pair of ranks of the job (the
-sender is group rank 0), so each direction has its own communicator and stream: NCCL runs the
-operations of one communicator in order, and a pair's two directions would wait for each other.
+A *link* is a two-rank process group for one direction of one pair of ranks of the job (a
+broadcast from the sending end), so each direction has its own communicator and stream: NCCL
+runs the operations of one communicator in order, and a pair's two directions would wait for
+each other.
 Links are named by control ranks (trainer ranks, then inference ranks): ``(from, to)``.
 
 Every rank posts its operations in plan order, so the two ends of every link meet in the same
@@ -30,7 +31,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mcore_refit.control import ControlGroup
 from mcore_refit.distributed import Placement
+from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.group import GroupCollectives, PendingTransfer
 from mcore_refit.refit.plan import PlannedBuffer, RefitPlan
 from mcore_refit.refit.streams import DeviceStreams
@@ -106,14 +109,16 @@ class RelayFanout:
     def send(self, buffer: PlannedBuffer, view: torch.Tensor, *, stream, done,
              what: str) -> PendingTransfer:
         link = self._links[(self._me, self.entry(buffer))]
-        return link.broadcast_async(view, src_rank=0, stream=stream, done=done, what=what)
+        return link.broadcast_async(view, src_rank=link.rank, stream=stream, done=done,
+                                    what=what)
 
     def receive(self, buffer: PlannedBuffer, view: torch.Tensor, *, stream, done,
                 what: str) -> PendingTransfer:
         entry = self.entry(buffer)
         sender = buffer.source if entry == self._me else entry
-        return self._links[(sender, self._me)].broadcast_async(
-            view, src_rank=0, stream=stream, done=done, what=what)
+        link = self._links[(sender, self._me)]
+        return link.broadcast_async(view, src_rank=1 - link.rank, stream=stream, done=done,
+                                    what=what)
 
     def forward(self, buffer: PlannedBuffer, view: torch.Tensor, *, stream,
                 what: str) -> list[PendingTransfer]:
@@ -121,13 +126,28 @@ class RelayFanout:
         queue it right behind the receive on ``stream``; on the CPU, once the receive is done."""
         if self.entry(buffer) != self._me:
             return []
-        return [self._links[(self._me, other)].broadcast_async(
-                    view, src_rank=0, stream=stream, what=f"{what}, forwarded to "
-                                                          f"{self._placement.name_of(other)}")
-                for other in self.targets(buffer)]
+        forwards = []
+        for other in self.targets(buffer):
+            link = self._links[(self._me, other)]
+            forwards.append(link.broadcast_async(
+                view, src_rank=link.rank, stream=stream,
+                what=f"{what}, forwarded to {self._placement.name_of(other)}"))
+        return forwards
 
     def targets(self, buffer: PlannedBuffer) -> Sequence[int]:
         """The control ranks ``buffer``'s entry forwards it to."""
         entry = self.entry(buffer)
         return [rank for r in self._placement.remote_receivers(buffer.source)
                 if (rank := self._placement.control_rank(r)) != entry]
+
+
+def check_same_fanout(control: ControlGroup, options: TransportOptions, *, name_of) -> None:
+    """Every rank of the refit uses one fan-out, or ``ValueError`` on every rank naming each
+    rank's (a mix would leave the ends of a buffer waiting on different groups). Collective over
+    ``control``."""
+    chosen = control.all_gather_json(options.fanout,
+                                     what="every rank's refit.transport.fanout")
+    if len(set(chosen)) > 1:
+        ranks = ", ".join(f"{name_of(rank)}: {fanout}" for rank, fanout in enumerate(chosen))
+        raise ValueError(f"refit.transport.fanout differs between the ranks of the refit "
+                         f"({ranks}); give every rank the same")
