@@ -57,7 +57,9 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
             rank=rank, world_size=world_size, local_rank=local_rank,
             num_inference_ranks=layout.num_inference_ranks,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-            timeout_s=timeout_s)
+            timeout_s=timeout_s,
+            fanout="relay" if "relay" in (job.bench.fanouts or [job.refit.transport.fanout])
+            else "broadcast")
         context = split.context
     else:
         split = None

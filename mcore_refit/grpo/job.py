@@ -154,7 +154,8 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
                                      num_inference_ranks=config.inference.num_ranks,
                                      store_host=store_host, store_port=store_port,
                                      timeout_s=config.collective_timeout_s,
-                                     liveness_s=config.refit.transport.liveness_s)
+                                     liveness_s=config.refit.transport.liveness_s,
+                                     fanout=config.refit.transport.fanout)
     failed = True
     try:
         if not job.is_trainer:
