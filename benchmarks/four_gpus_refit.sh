@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Needs 4 GPUs of one host with NVLink (nvidia-h200-x4): the refit table of issue 25 in one call.
+#   non-colocated, every refit mode with both fan-outs (refit.transport.fanout broadcast|relay):
+#     one_to_one      Llama-3-8B preset (bf16, random weights) TP1, 1 trainer -> 1 engine
+#     pp2_vpp2_2to2   PP2 x VPP2, 2 trainer ranks -> 2 engines
+#     tp2_2to2        TP2, 2 -> 2
+#     one_to_three    TP1, 1 -> 3
+#     moe_ep2_2to2    Qwen3-30B-A3B preset at $MOE_LAYERS layers (default 24), EP2, 2 -> 2
+#   colocated, an engine process beside each of 4 trainer ranks, against the floor measured in
+#   the same launch (each GPU's ingress by an all-gather, its own share by a device copy):
+#     colocated_tp2_pp2_vpp2, colocated_pp4 (8B), colocated_moe_ep4 (MoE, $MOE_LAYERS layers)
+#   shared_weights  one GPU: the engine reads the trainer's own tensors (synthetic 8B set),
+#                   against the device copy; runs on GPU 2 beside one_to_one (GPUs 0-1).
+# Each launch: 1 warm-up, 2 timed refits and 1 verified refit per mode. Runs stop within BUDGET_S
+# (540 s); RUNS="name ..." runs those only. Results under $OUT/x4_refit: <run>.jsonl per run,
+# summaries.jsonl, rc.txt, errors.txt, table.md (printed at the end: one row per run and fan-out).
+# A dry run on CPU: CONFIG=configs/refit_bench_cpu.yaml DENSE=tiny_llama MOE=tiny_qwen3_moe \
+#   MOE_LAYERS=4 SYNTHETIC=tiny benchmarks/four_gpus_refit.sh
+set -u
+BUDGET_S=${BUDGET_S:-540}
+source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
+D=$OUT/x4_refit; mkdir -p "$D"
+CONFIG=${CONFIG:-configs/refit_bench.yaml}
+DENSE=${DENSE:-llama3_8b}; MOE=${MOE:-qwen3_30b_a3b}; MOE_LAYERS=${MOE_LAYERS:-24}
+SYNTHETIC=${SYNTHETIC:-dense_8b}
+REPS='bench.num_warmup=1 bench.num_refits=2 bench.verify=true'
+MODES='bench.modes=[raw_link,engine,transport_alone]'
+FANOUTS='bench.fanouts=[broadcast,relay]'
+
+run() {  # run NAME LIMIT NPROC PORT [overrides...]: recipes/refit_bench.py into $D/NAME.jsonl
+  local name=$1 limit=$2 nproc=$3 port=$4; shift 4
+  [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $name "* ]] || return 0
+  rm -f "$D/$name.jsonl"
+  # shellcheck disable=SC2086
+  step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
+    --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py --config "$CONFIG" \
+    $REPS bench.output="$D/$name.jsonl" "$@"
+  summarize "$name"
+}
+dense() { local name=$1 limit=$2 nproc=$3 port=$4; shift 4
+  run "$name" "$limit" "$nproc" "$port" bench.source=megatron megatron.preset="$DENSE" \
+    megatron.dtype=bfloat16 "$MODES" "$@"; }
+moe() { local name=$1 limit=$2 nproc=$3 port=$4; shift 4
+  run "$name" "$limit" "$nproc" "$port" bench.source=megatron megatron.preset="$MOE" \
+    megatron.num_layers="$MOE_LAYERS" megatron.dtype=bfloat16 "$MODES" "$@"; }
+
+# One GPU beside two: shared_weights on GPU 2 while one_to_one runs on GPUs 0-1.
+( export CUDA_VISIBLE_DEVICES=2; run shared_weights 90 1 29861 bench.source="$SYNTHETIC" \
+    refit.mode=colocated 'bench.modes=[raw_link,shared_weights]' ) &
+( export CUDA_VISIBLE_DEVICES=0,1; dense one_to_one 90 2 29862 )
+wait
+dense pp2_vpp2_2to2 90 4 29863 "$FANOUTS" bench.num_trainer_ranks=2 \
+  megatron.parallel.pipeline=2 megatron.parallel.virtual_pipeline=2
+dense tp2_2to2 90 4 29864 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.tensor=2
+dense one_to_three 90 4 29865 "$FANOUTS"
+dense colocated_tp2_pp2_vpp2 90 4 29866 refit.mode=colocated bench.num_trainer_ranks=4 \
+  megatron.parallel.tensor=2 megatron.parallel.pipeline=2 megatron.parallel.virtual_pipeline=2
+dense colocated_pp4 90 4 29867 refit.mode=colocated bench.num_trainer_ranks=4 \
+  megatron.parallel.pipeline=4
+moe moe_ep2_2to2 150 4 29868 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.expert=2
+moe colocated_moe_ep4 150 4 29869 refit.mode=colocated bench.num_trainer_ranks=4 \
+  megatron.parallel.expert=4
+
+python3 benchmarks/four_gpus_table.py "$D" | tee "$D/table.md"
+cat "$D/rc.txt"; echo "total ${SECONDS}s"
