@@ -14,8 +14,9 @@
 # Each launch: 1 warm-up, 2 timed refits and 1 verified refit per mode. Runs stop within BUDGET_S
 # (540 s); RUNS="name ..." runs those only. Results under $OUT/x4_refit: <run>.jsonl per run,
 # summaries.jsonl, rc.txt, errors.txt, table.md (printed at the end: one row per run and fan-out).
-# A dry run on CPU: CONFIG=configs/refit_bench_cpu.yaml DENSE=tiny_llama MOE=tiny_qwen3_moe \
-#   MOE_LAYERS=4 SYNTHETIC=tiny benchmarks/four_gpus_refit.sh
+# A dry run on CPU (step limits × LIMIT_SCALE): CONFIG=configs/refit_bench_cpu.yaml \
+#   DENSE=tiny_llama MOE=tiny_qwen3_moe MOE_LAYERS=4 SYNTHETIC=tiny LIMIT_SCALE=5 BUDGET_S=3000 \
+#   benchmarks/four_gpus_refit.sh
 set -u
 BUDGET_S=${BUDGET_S:-540}
 source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
@@ -28,7 +29,7 @@ MODES='bench.modes=[raw_link,engine,transport_alone]'
 FANOUTS='bench.fanouts=[broadcast,relay]'
 
 run() {  # run NAME LIMIT NPROC PORT [overrides...]: recipes/refit_bench.py into $D/NAME.jsonl
-  local name=$1 limit=$2 nproc=$3 port=$4; shift 4
+  local name=$1 limit=$(($2 * ${LIMIT_SCALE:-1})) nproc=$3 port=$4; shift 4
   [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $name "* ]] || return 0
   rm -f "$D/$name.jsonl"
   # shellcheck disable=SC2086
