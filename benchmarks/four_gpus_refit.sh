@@ -9,13 +9,13 @@
 #   colocated, an engine process beside each of 4 trainer ranks, against the floor measured in
 #   the same launch (each GPU's ingress by an all-gather, its own share by a device copy):
 #     colocated_tp2_pp2_vpp2, colocated_pp4 (8B), colocated_moe_ep4 (MoE, $MOE_LAYERS layers)
-#   shared_weights  one GPU: the engine reads the trainer's own tensors (synthetic 8B set),
+#   shared_weights  one GPU: the engine reads the trainer's own tensors (the 8B preset, TP1),
 #                   against the device copy; runs on GPU 2 beside one_to_one (GPUs 0-1).
 # Each launch: 1 warm-up, 2 timed refits and 1 verified refit per mode. Runs stop within BUDGET_S
 # (540 s); RUNS="name ..." runs those only. Results under $OUT/x4_refit: <run>.jsonl per run,
 # summaries.jsonl, rc.txt, errors.txt, table.md (printed at the end: one row per run and fan-out).
 # A dry run on CPU (step limits × LIMIT_SCALE): CONFIG=configs/refit_bench_cpu.yaml \
-#   DENSE=tiny_llama MOE=tiny_qwen3_moe MOE_LAYERS=4 SYNTHETIC=tiny LIMIT_SCALE=5 BUDGET_S=3000 \
+#   DENSE=tiny_llama MOE=tiny_qwen3_moe MOE_LAYERS=4 LIMIT_SCALE=5 BUDGET_S=3000 \
 #   benchmarks/four_gpus_refit.sh
 set -u
 BUDGET_S=${BUDGET_S:-540}
@@ -23,7 +23,6 @@ source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, ste
 D=$OUT/x4_refit; mkdir -p "$D"
 CONFIG=${CONFIG:-configs/refit_bench.yaml}
 DENSE=${DENSE:-llama3_8b}; MOE=${MOE:-qwen3_30b_a3b}; MOE_LAYERS=${MOE_LAYERS:-24}
-SYNTHETIC=${SYNTHETIC:-dense_8b}
 REPS='bench.num_warmup=1 bench.num_refits=2 bench.verify=true'
 MODES='bench.modes=[raw_link,engine,transport_alone]'
 FANOUTS='bench.fanouts=[broadcast,relay]'
@@ -46,8 +45,9 @@ moe() { local name=$1 limit=$2 nproc=$3 port=$4; shift 4
     megatron.num_layers="$MOE_LAYERS" megatron.dtype=bfloat16 "$MODES" "$@"; }
 
 # One GPU beside two: shared_weights on GPU 2 while one_to_one runs on GPUs 0-1.
-( export CUDA_VISIBLE_DEVICES=2; run shared_weights 90 1 29861 bench.source="$SYNTHETIC" \
-    refit.mode=colocated 'bench.modes=[raw_link,shared_weights]' ) &
+( export CUDA_VISIBLE_DEVICES=2; run shared_weights 90 1 29861 bench.source=megatron \
+    megatron.preset="$DENSE" megatron.dtype=bfloat16 refit.mode=colocated \
+    'bench.modes=[raw_link,shared_weights]' ) &
 ( export CUDA_VISIBLE_DEVICES=0,1; dense one_to_one 90 2 29862 )
 wait
 dense pp2_vpp2_2to2 90 4 29863 "$FANOUTS" bench.num_trainer_ranks=2 \
