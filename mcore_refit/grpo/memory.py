@@ -10,6 +10,7 @@ trainer's weights and the engine's at once).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from mcore_refit.distributed import colocated_device_index, split_job_device_index
@@ -26,6 +27,8 @@ from mcore_refit.memory import (
     trainer_state_bytes,
 )
 from mcore_refit.refit.config import DEFAULT_SLOT_BYTES
+
+logger = logging.getLogger(__name__)
 
 REMEDY = ("Use more GPUs (more pipeline, tensor or expert parallelism), "
           "policy.optimizer.use_distributed_optimizer, or a smaller model")
@@ -103,7 +106,15 @@ def check_grpo_memory(config: GRPOJobConfig, *, world_size: int, local_world_siz
                       num_gpus: int, capacity_of: Callable[[int], int],
                       tensors: ModelTensors | None = None) -> None:
     """Raise :class:`~mcore_refit.memory.InsufficientGpuMemory` when a GPU cannot hold its
-    ranks (one message naming each such GPU, its ranks, their need and its memory)."""
+    ranks (one message naming each such GPU, its ranks, their need and its memory). A model
+    whose shapes transformers cannot lay out on the meta device is not checked (a warning)."""
+    if tensors is None:
+        try:
+            tensors = ModelTensors.from_hf_path(config.model.hf_path)
+        except Exception as error:  # the check is advice; the start-up reports real problems
+            logger.warning("GPU memory not checked before the start: the shapes of %s: %s",
+                           config.model.hf_path, error)
+            return
     check_fits(grpo_needs(config, world_size=world_size, local_world_size=local_world_size,
                           num_gpus=num_gpus, capacity_of=capacity_of, tensors=tensors),
                remedy=REMEDY)
