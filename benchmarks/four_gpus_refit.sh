@@ -12,7 +12,8 @@
 #   shared_weights  one GPU: the engine reads the trainer's own tensors (the 8B preset, TP1),
 #                   against the device copy; runs on GPU 2 beside one_to_one (GPUs 0-1).
 # Each launch: 1 warm-up, 2 timed refits and 1 verified refit per mode. Runs stop within BUDGET_S
-# (540 s); RUNS="name ..." runs those only. Results under $OUT/x4_refit: <run>.jsonl per run,
+# (540 s), the MoE rows and the colocated ones last; RUNS="name ..." runs those only (e.g. the
+# rows a first call left "not run"). Results under $OUT/x4_refit: <run>.jsonl per run,
 # summaries.jsonl, rc.txt, errors.txt, table.md (printed at the end: one row per run and fan-out).
 # A dry run on CPU (step limits × LIMIT_SCALE): CONFIG=configs/refit_bench_cpu.yaml \
 #   DENSE=tiny_llama MOE=tiny_qwen3_moe MOE_LAYERS=4 LIMIT_SCALE=5 BUDGET_S=3000 \
@@ -26,6 +27,7 @@ DENSE=${DENSE:-llama3_8b}; MOE=${MOE:-qwen3_30b_a3b}; MOE_LAYERS=${MOE_LAYERS:-2
 REPS='bench.num_warmup=1 bench.num_refits=2 bench.verify=true'
 MODES='bench.modes=[raw_link,engine,transport_alone]'
 FANOUTS='bench.fanouts=[broadcast,relay]'
+COLOCATED_MODES='bench.modes=[raw_link,engine]'  # after $MODES on the command line: it wins
 
 run() {  # run NAME LIMIT NPROC PORT [overrides...]: recipes/refit_bench.py into $D/NAME.jsonl
   local name=$1 limit=$(($2 * ${LIMIT_SCALE:-1})) nproc=$3 port=$4; shift 4
@@ -54,13 +56,15 @@ dense pp2_vpp2_2to2 90 4 29863 "$FANOUTS" bench.num_trainer_ranks=2 \
   megatron.parallel.pipeline=2 megatron.parallel.virtual_pipeline=2
 dense tp2_2to2 90 4 29864 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.tensor=2
 dense one_to_three 90 4 29865 "$FANOUTS"
-dense colocated_tp2_pp2_vpp2 90 4 29866 refit.mode=colocated bench.num_trainer_ranks=4 \
-  megatron.parallel.tensor=2 megatron.parallel.pipeline=2 megatron.parallel.virtual_pipeline=2
-dense colocated_pp4 90 4 29867 refit.mode=colocated bench.num_trainer_ranks=4 \
-  megatron.parallel.pipeline=4
-moe moe_ep2_2to2 150 4 29868 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.expert=2
-moe colocated_moe_ep4 150 4 29869 refit.mode=colocated bench.num_trainer_ranks=4 \
-  megatron.parallel.expert=4
+moe moe_ep2_2to2 130 4 29868 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.expert=2
+# Colocated rows: the refit against the floor (no transport_alone: its copy only costs time).
+dense colocated_tp2_pp2_vpp2 80 4 29866 refit.mode=colocated bench.num_trainer_ranks=4 \
+  megatron.parallel.tensor=2 megatron.parallel.pipeline=2 megatron.parallel.virtual_pipeline=2 \
+  "$COLOCATED_MODES"
+dense colocated_pp4 80 4 29867 refit.mode=colocated bench.num_trainer_ranks=4 \
+  megatron.parallel.pipeline=4 "$COLOCATED_MODES"
+moe colocated_moe_ep4 130 4 29869 refit.mode=colocated bench.num_trainer_ranks=4 \
+  megatron.parallel.expert=4 "$COLOCATED_MODES"
 
 python3 benchmarks/four_gpus_table.py "$D" | tee "$D/table.md"
 cat "$D/rc.txt"; echo "total ${SECONDS}s"
