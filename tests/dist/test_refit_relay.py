@@ -25,13 +25,11 @@ from mcore_refit.refit.fanout import entries
 from tests.dist.test_refit_broadcast import (
     CPU,
     _attempt,
-    _bump,
     _ExplodingEngine,
     _Job,
     _options,
     _plan_config,
-    _receive_checks,
-    _ShardedSource,
+    sharded_round_trip,
 )
 from tests.ranks import run_ranks
 from tests.tensors import bits
@@ -71,30 +69,11 @@ def relay_round_trip(rank: int, trainers: int, receivers: int) -> dict:
     """``trainers`` sources (tensor i on rank i % trainers) relay the tiny mixed set to
     ``receivers`` engines twice (every value changed in between); receivers check bitwise."""
     job = _RelayJob(rank, trainers=trainers, receivers=receivers)
-    specs = tiny_mixed_specs()
-    options = _relay_options()
-    owners = [i % trainers for i in range(len(specs))]
-
-    def named(version):
-        source = SyntheticWeightSource(specs, device=CPU, seed=5, noncontiguous=True)
-        if version == 2:
-            _bump(source)
-        return list(source.iter_weights())
-
-    if not job.is_trainer:
-        return {"checks": _receive_checks(job, specs, options, named)}
-    tensors = named(1)
-    source = _ShardedSource(tensors, owners, rank=rank)
-    plan = plan_for_source(source, config=_plan_config(), device=CPU)
-    telemetry = []
-    with Refitter(source=source, sender=job.sender(plan, options)) as refitter:
-        refitter.prepare()
-        telemetry.append(refitter.refit(verify=True).as_dict())
-        for _, tensor in tensors:
-            tensor.add_(1)
-        telemetry.append(refitter.refit().as_dict())
-    return {"telemetry": telemetry, "entries": entries(plan, job.placement),
-            "sources": [b.source for b in plan.buffers]}
+    report, plan = sharded_round_trip(job, _relay_options(), seed=5, noncontiguous=True)
+    if plan is not None:
+        report.update(entries=entries(plan, job.placement),
+                      sources=[b.source for b in plan.buffers])
+    return report
 
 
 def relay_fails(rank: int) -> dict:
