@@ -12,14 +12,14 @@
 #   shared_weights  one GPU: the engine reads the trainer's own tensors (the 8B preset, TP1),
 #                   against the device copy; runs on GPU 2 beside one_to_one (GPUs 0-1).
 # Each launch: 1 warm-up, 2 timed refits and 1 verified refit per mode. Runs stop within BUDGET_S
-# (540 s), the MoE rows and the colocated ones last; RUNS="name ..." runs those only (e.g. the
+# (520 s), the MoE rows and the colocated ones last; RUNS="name ..." runs those only (e.g. the
 # rows a first call left "not run"). Results under $OUT/x4_refit: <run>.jsonl per run,
 # summaries.jsonl, rc.txt, errors.txt, table.md (printed at the end: one row per run and fan-out).
 # A dry run on CPU (step limits × LIMIT_SCALE): CONFIG=configs/refit_bench_cpu.yaml \
 #   DENSE=tiny_llama MOE=tiny_qwen3_moe MOE_LAYERS=4 LIMIT_SCALE=5 BUDGET_S=3000 \
 #   benchmarks/four_gpus_refit.sh
 set -u
-BUDGET_S=${BUDGET_S:-540}
+BUDGET_S=${BUDGET_S:-520}  # + ~30 s for benchmarks/offline_env.sh: one 600 s call
 source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
 D=$OUT/x4_refit; mkdir -p "$D"
 CONFIG=${CONFIG:-configs/refit_bench.yaml}
