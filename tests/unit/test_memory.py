@@ -9,6 +9,7 @@ from mcore_refit.bench.sources import preset_config
 from mcore_refit.config import ParallelConfig, load_config
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.job import validate_launch
+from mcore_refit.grpo.memory import check_grpo_memory
 from mcore_refit.memory import GIB, InsufficientGpuMemory, ModelTensors
 from tests.launch import REPO_ROOT
 
@@ -97,7 +98,8 @@ def test_a_grpo_launch_that_cannot_fit_is_refused_before_the_start_up(tmp_path):
     preset_config("llama3_8b").save_pretrained(tmp_path)
     config = load_config(GRPOJobConfig, REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml",
                          [f"model.hf_path={tmp_path}", f"run.output_dir={tmp_path / 'run'}"])
-    validate_launch(config, world_size=2, resume=False, num_gpus=2, capacity_of=lambda g: H200)
+    check_grpo_memory(config, world_size=2, local_world_size=2, num_gpus=2,
+                      capacity_of=lambda gpu: H200)
     with pytest.raises(InsufficientGpuMemory) as error:
         validate_launch(config, world_size=2, resume=False, num_gpus=2,
                         capacity_of=lambda gpu: H100)
