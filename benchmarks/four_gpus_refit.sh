@@ -11,10 +11,13 @@
 #     colocated_tp2_pp2_vpp2, colocated_pp4 (8B), colocated_moe_ep4 (MoE, $MOE_LAYERS layers)
 #   shared_weights  one GPU: the engine reads the trainer's own tensors (the 8B preset, TP1),
 #                   against the device copy; runs on GPU 2 beside one_to_one (GPUs 0-1).
+#   refused_moe_48  the 48-layer MoE at EP2 on GPUs 0-1 with the engine beside trainer rank 1:
+#                   refused by the memory check within seconds (refused.txt).
 # Each launch: 1 warm-up, 2 timed refits and 1 verified refit per mode. Runs stop within BUDGET_S
 # (520 s), the MoE rows and the colocated ones last; RUNS="name ..." runs those only (e.g. the
 # rows a first call left "not run"). Results under $OUT/x4_refit: <run>.jsonl per run,
-# summaries.jsonl, rc.txt, errors.txt, table.md (printed at the end: one row per run and fan-out).
+# summaries.jsonl, rc.txt, errors.txt, refused.txt, table.md (printed at the end: one row per run
+# and fan-out).
 # A dry run on CPU (step limits × LIMIT_SCALE): CONFIG=configs/refit_bench_cpu.yaml \
 #   DENSE=tiny_llama MOE=tiny_qwen3_moe MOE_LAYERS=4 LIMIT_SCALE=5 BUDGET_S=3000 \
 #   benchmarks/four_gpus_refit.sh
@@ -46,6 +49,16 @@ moe() { local name=$1 limit=$2 nproc=$3 port=$4; shift 4
   run "$name" "$limit" "$nproc" "$port" bench.source=megatron megatron.preset="$MOE" \
     megatron.num_layers="$MOE_LAYERS" megatron.dtype=bfloat16 "$MODES" "$@"; }
 
+# The memory check (item 5): the 48-layer MoE preset at EP2 with the engine beside trainer rank 1
+# on 2 GPUs must be refused before anything starts (its message lands in refused.txt).
+if [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" refused_moe_48 "* ]]; then
+  ( export CUDA_VISIBLE_DEVICES=0,1; step refused_moe_48 60 python3 -m torch.distributed.run \
+      --nproc-per-node 3 --master-addr 127.0.0.1 --master-port 29860 recipes/refit_bench.py \
+      --config "$CONFIG" bench.source=megatron bench.num_trainer_ranks=2 \
+      megatron.preset="$MOE" megatron.parallel.expert=2 \
+      'bench.modes=[raw_link,engine,transport_alone]'
+    grep -h -m 1 "InsufficientGpuMemory" /tmp/refused_moe_48.err > "$D/refused.txt" ) &
+fi
 # One GPU beside two: shared_weights on GPU 2 while one_to_one runs on GPUs 0-1.
 ( export CUDA_VISIBLE_DEVICES=2; run shared_weights 90 1 29861 bench.source=megatron \
     megatron.preset="$DENSE" megatron.dtype=bfloat16 refit.mode=colocated \
@@ -67,4 +80,5 @@ moe colocated_moe_ep4 130 4 29869 refit.mode=colocated bench.num_trainer_ranks=4
   megatron.parallel.expert=4 "$COLOCATED_MODES"
 
 python3 benchmarks/four_gpus_table.py "$D" | tee "$D/table.md"
+echo "memory check (expected: refused, naming GPU 1): $(cat "$D/refused.txt" 2> /dev/null)"
 cat "$D/rc.txt"; echo "total ${SECONDS}s"
