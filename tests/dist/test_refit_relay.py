@@ -82,7 +82,7 @@ def relay_fails(rank: int) -> dict:
     whole again."""
     job = _RelayJob(rank, trainers=1, receivers=3)
     specs = tiny_mixed_specs()
-    options = _relay_options(timeout_s=5.0)
+    options = _relay_options(timeout_s=20.0)
     source = SyntheticWeightSource(specs, device=CPU, seed=8)
     out = {}
     if job.is_trainer:
@@ -138,9 +138,9 @@ def test_relay_delivers_every_buffer_bitwise_to_every_engine(tmp_path, trainers,
         assert [c["refit_index"] for c in checks] == [0, 1]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_failure_mid_relay_is_named_on_every_rank(tmp_path):
-    results = run_ranks(relay_fails, 4, tmp_path, timeout_s=100)
+    results = run_ranks(relay_fails, 4, tmp_path, timeout_s=160)
     assert 1 in results[0]["entries"]  # the failing engine relays buffers to the others
     for rank in range(4):
         side = results[rank]
@@ -149,7 +149,7 @@ def test_a_failure_mid_relay_is_named_on_every_rank(tmp_path):
         assert broken["ok"] is False and broken["type"] == "RefitError", (rank, side)
         assert broken["message"].startswith("refit 0 failed on inference rank 1: "), broken
         assert "engine exploded on load_weights call 2" in broken["message"]
-        assert broken["elapsed_s"] < 5.0  # the outcome, not a timeout
+        assert broken["elapsed_s"] < 20.0  # the shared outcome, not a transport timeout
         assert side["healthy"]["ok"] is True and side["healthy"]["value"] is True, (rank, side)
     for rank in (1, 2, 3):  # every engine holds the whole model after the healthy refit
         assert results[rank]["bitwise"] is True
