@@ -9,7 +9,7 @@ import datetime
 import logging
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -225,6 +225,18 @@ class Placement:
         """The inference ranks ``source`` broadcasts to (group ranks 1.. of its data group)."""
         return [r for r in range(self.num_receivers) if not self.ipc(source, r)]
 
+    def relay_links(self) -> list[tuple[int, int]]:
+        """Every ``(from, to)`` pair of job ranks a relay refit moves buffers between (each
+        source to its remote inference ranks, and among those), in one order for every rank
+        (see :mod:`mcore_refit.refit.fanout`)."""
+        links: list[tuple[int, int]] = []
+        for source in range(self.num_trainers):
+            receivers = [self.control_rank(r) for r in self.remote_receivers(source)]
+            links += [(source, receiver) for receiver in receivers]
+            links += [(entry, other) for entry in receivers for other in receivers
+                      if other != entry]
+        return list(dict.fromkeys(links))
+
 
 @dataclass(frozen=True, kw_only=True)
 class SplitJob:
@@ -240,7 +252,10 @@ class SplitJob:
       (itself as group rank 0, then every inference rank on another device); holds the groups
       this rank is a member of, by trainer rank;
     - ``control_group`` (gloo): trainer rank 0 and every inference rank (its rank 0 is trainer
-      rank 0) — commands to the inference ranks; None on the other trainer ranks.
+      rank 0) — commands to the inference ranks; None on the other trainer ranks;
+    - ``links`` (NCCL on GPU; only with ``fanout="relay"``): a two-rank group per direction of
+      each pair of ranks a relay refit moves buffers between, keyed by ``(from, to)`` job rank
+      (the sender is group rank 0; see :mod:`mcore_refit.refit.fanout`); this rank's own.
 
     ``placement`` says which trainer and inference ranks share a device (their buffers move over
     CUDA IPC: NCCL refuses two ranks of one device in a communicator).
@@ -255,6 +270,7 @@ class SplitJob:
     refit_control: dist.ProcessGroup
     data_groups: dict[int, dist.ProcessGroup]
     control_group: dist.ProcessGroup | None
+    links: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
 
     @property
     def is_trainer(self) -> bool:
@@ -263,7 +279,8 @@ class SplitJob:
 
 def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference_ranks: int,
                    store_host: str, store_port: int, local_world_size: int | None = None,
-                   timeout_s: float = 600.0, liveness_s: float | None = None) -> SplitJob:
+                   timeout_s: float = 600.0, liveness_s: float | None = None,
+                   fanout: str = "broadcast") -> SplitJob:
     """Initialise a non-colocated job: the last ``num_inference_ranks`` ranks serve inference.
 
     The job may span nodes: ``local_rank`` and ``local_world_size`` (torchrun's ``LOCAL_RANK``
@@ -272,7 +289,8 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
     key-value store (torchrun's ``MASTER_ADDR`` and ``MASTER_PORT``) and builds its role's
     default group and the cross-role groups it is a member of, from separate key prefixes.
     Call on every rank of the launch. With ``liveness_s``, ``context.peers`` watches every other
-    rank of the job, of both roles.
+    rank of the job, of both roles. ``fanout="relay"`` also builds the relay's links
+    (``refit.transport.fanout``).
     """
     compat.install()
     if dist.is_initialized():
@@ -308,6 +326,14 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
             data_groups[source] = _standalone_group(
                 dist.PrefixStore(f"refit-data/{source}/", store), rank=members.index(rank),
                 size=len(members), device=device, timeout=timeout)
+    links = {}
+    if fanout == "relay":
+        for sender, receiver in placement.relay_links():
+            group = _standalone_group(dist.PrefixStore(f"refit-link/{sender}-{receiver}/", store),
+                                      rank=0 if rank == sender else 1, size=2, device=device,
+                                      timeout=timeout) if rank in (sender, receiver) else None
+            if group is not None:
+                links[(sender, receiver)] = group
     control_group = None
     if rank == 0 or not is_trainer:
         control_group = _standalone_group(dist.PrefixStore("control/", store),
@@ -324,7 +350,7 @@ def init_split_job(*, rank: int, world_size: int, local_rank: int, num_inference
     return SplitJob(role=role, context=context, global_rank=rank,
                     num_trainer_ranks=num_trainer_ranks, num_inference_ranks=num_inference_ranks,
                     placement=placement, refit_control=refit_control, data_groups=data_groups,
-                    control_group=control_group)
+                    control_group=control_group, links=links)
 
 
 def _placement(store, *, rank: int, device: torch.device, num_trainer_ranks: int,

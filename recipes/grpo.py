@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
         config = load_config(GRPOJobConfig, args.config, args.overrides)
         # One writer per run directory: a second run is refused here, before the start-up.
         with job.lock_run_directory(config, rank=rank, job_id=_job_id(ranks)) as run_lock:
-            job.validate_launch(config, world_size=world_size, resume=args.resume)
+            job.validate_launch(config, world_size=world_size, resume=args.resume,
+                                local_world_size=ranks.local_world_size)
             configure_logging(rank=rank,
                               log_file=Path(config.run.output_dir) / "logs" / f"rank{rank}.log")
             run_lock.log_replaced()

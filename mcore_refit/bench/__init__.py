@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from mcore_refit import distributed
 from mcore_refit.bench.colocated import ColocatedBench, run_colocated
 from mcore_refit.bench.config import BenchLayout, RefitBenchJob, check_layout
+from mcore_refit.bench.memory import check_bench_memory
 from mcore_refit.bench.results import ModeResult, emit, summarize
 from mcore_refit.bench.sources import PRESETS, build_sources
 from mcore_refit.bench.split import SplitBench, run_split
 from mcore_refit.control import ControlGroup
+from mcore_refit.memory import gpu_capacities
 
 __all__ = ["RefitBenchJob", "run_bench"]
 
@@ -44,13 +48,18 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
     failed. ``job_id`` names this launch's IPC sockets on CPU.
     """
     layout = check_layout(job, world_size=world_size)
+    if torch.cuda.is_available():
+        check_bench_memory(job, world_size=world_size, num_gpus=torch.cuda.device_count(),
+                           capacity_of=gpu_capacities())
     timeout_s = job.refit.transport.start_timeout_s + 60
     if layout.placement == "non_colocated":
         split = distributed.init_split_job(
             rank=rank, world_size=world_size, local_rank=local_rank,
             num_inference_ranks=layout.num_inference_ranks,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-            timeout_s=timeout_s)
+            timeout_s=timeout_s,
+            fanout="relay" if "relay" in (job.bench.fanouts or [job.refit.transport.fanout])
+            else "broadcast")
         context = split.context
     else:
         split = None

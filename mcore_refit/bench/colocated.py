@@ -9,6 +9,8 @@ device-to-device copy of ``raw_link_bytes`` on each rank, the slowest rank's tim
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from mcore_refit.refit import Refitter, TensorDictEngine, colocated_sender, plan
 from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.plan import plan_from_json
 from mcore_refit.refit.receiver import IpcInitInfo, WeightTransferEndpoint
+from mcore_refit.refit.streams import DeviceStreams
 
 
 @dataclass
@@ -85,7 +88,35 @@ def _raw_copy(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeRe
         target.copy_(source)
 
     times = bench.time_repetitions(bench.trainers, once)
-    return ModeResult(mode=mode, payload_bytes=size, refit_s=times, device=bench.device_name)
+    result = ModeResult(mode=mode, payload_bytes=size, refit_s=times, device=bench.device_name)
+    if bench.trainers.size > 1:
+        result.ingress_gbps = _ingress_gbps(bench, size)
+    return result
+
+
+def _ingress_gbps(bench: ColocatedBench, size: int) -> float:
+    """Each GPU's ingress from the others: an all-gather of ``size`` bytes over the trainer
+    ranks (each receives (n − 1) / n of them), the slowest rank's time per repetition."""
+    ranks = bench.trainers.size
+    share = size // ranks
+    mine = torch.ones(share, dtype=torch.uint8, device=bench.device)
+    gathered = torch.empty(share * ranks, dtype=torch.uint8, device=bench.device)
+    streams = DeviceStreams(bench.device)
+    timeout_s = bench.job.refit.transport.timeout_s
+
+    def once() -> None:
+        work = dist.all_gather_into_tensor(gathered, mine, async_op=True)
+        if not streams.is_cuda:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            return
+        work.wait()
+        done = streams.new_event()
+        streams.record(done)
+        streams.host_wait(done, timeout_s=timeout_s, what="the ingress all-gather")
+
+    times = bench.time_repetitions(bench.trainers, once)
+    median = statistics.median(times)
+    return round(share * (ranks - 1) / median / 1e9, 3) if median > 0 else 0.0
 
 
 def _export(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResult:
@@ -138,8 +169,12 @@ def _refit(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResul
         receiver_rows, engine_error = received.value["telemetry"], received.value["error"]
     else:
         receiver_rows, engine_error = [], received.error
-    return transport_result(mode, plan, timed, receiver_rows, verified=verified,
-                            device=bench.device_name, error=error or engine_error)
+    result = transport_result(mode, plan, timed, receiver_rows, verified=verified,
+                              device=bench.device_name, error=error or engine_error)
+    # Every GPU's own share, a rank that sends nothing included (its floor is all ingress).
+    result.source_bytes = [sum(b.wire_bytes for b in plan.buffers if b.source == rank)
+                           for rank in range(trainers.size)]
+    return result
 
 
 def _floor(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResult:

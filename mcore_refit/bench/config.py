@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 
 from mcore_refit.config import ConfigError, Dtype, LayerSpec, ParallelConfig
-from mcore_refit.refit.config import RefitConfig
+from mcore_refit.refit.config import Fanout, RefitConfig
 
 Mode = Literal["raw_link", "naive", "single_buffer", "engine", "export_alone", "transport_alone",
                "bridge_export", "bridge_export_alone", "shared_weights", "vllm_load_floor"]
@@ -27,6 +27,9 @@ VLLM_MODES = ("vllm_load_floor",)
 # Modes that refit (into the engine), as opposed to the limits and the export alone.
 REFIT_MODES = ("naive", "single_buffer", "engine", "transport_alone", "bridge_export",
                "shared_weights")
+# The refit modes that send through the refit engine's transport: with bench.fanouts they run
+# once per fan-out strategy (naive sends its own broadcasts; shared_weights sends nothing).
+FANOUT_MODES = ("single_buffer", "engine", "transport_alone", "bridge_export")
 # Modes a launch without inference ranks (bench.trainer_only) can run.
 EXPORT_MODES = ("export_alone", "bridge_export_alone")
 
@@ -42,6 +45,9 @@ class TargetsConfig:
     copy_fraction_moe: float = 0.25
     # Megatron source: the refit over the same refit from tensors in memory (transport alone).
     refit_over_transport: float = 1.15
+    # Colocated on several GPUs: the refit over its floor (each GPU's ingress of the other ranks'
+    # bytes, plus its own share at device-copy speed, measured in the same run).
+    refit_over_floor: float = 1.15
     # Megatron source: Megatron-Bridge's export (or refit) over this export's (or refit's).
     speedup_over_bridge: float = 3.0
     # bench.engine=vllm: the refit over vLLM's own load of the same tensors from memory.
@@ -49,7 +55,8 @@ class TargetsConfig:
 
     def __post_init__(self) -> None:
         for key in ("link_fraction", "copy_fraction_dense", "copy_fraction_moe",
-                    "refit_over_transport", "speedup_over_bridge", "refit_over_vllm_floor"):
+                    "refit_over_transport", "refit_over_floor", "speedup_over_bridge",
+                    "refit_over_vllm_floor"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"`{key}` must be a positive number, got {value!r}")
@@ -80,6 +87,9 @@ class BenchConfig:
     # Launch the trainer ranks only and time the export paths alone (export_alone,
     # bridge_export_alone): no inference process shares a device.
     trainer_only: bool = False
+    # Non-colocated: run every refit mode once per fan-out strategy (refit.transport.fanout),
+    # reported as mode/fanout (engine/broadcast, engine/relay, ...); null: the configured one.
+    fanouts: list[Fanout] | None = None
     targets: TargetsConfig = field(default_factory=TargetsConfig)
     # What receives: tensors of the plan's shapes (the transport's own engine), or a vLLM
     # engine (source=megatron: vLLM starts from the model's HF config with dummy weights and
@@ -126,6 +136,10 @@ class BenchConfig:
         if bridge and self.source != "megatron":
             raise ConfigError(f"`modes` {bridge} measure Megatron-Bridge's export: they need "
                               f"`source`=megatron, got {self.source!r}")
+        if self.fanouts is not None and (not self.fanouts
+                                         or len(set(self.fanouts)) != len(self.fanouts)):
+            raise ConfigError(f"`fanouts` must be distinct entries of "
+                              f"{', '.join(typing.get_args(Fanout))}, or null; got {self.fanouts}")
         if self.trainer_only and any(m not in EXPORT_MODES for m in self.modes):
             raise ConfigError(f"`trainer_only`=true times the export paths alone: `modes` must "
                               f"be among {', '.join(EXPORT_MODES)}, got {self.modes}")
@@ -168,6 +182,9 @@ class RefitBenchJob:
     megatron: MegatronSourceConfig = field(default_factory=MegatronSourceConfig)
 
     def __post_init__(self) -> None:
+        if self.bench.fanouts is not None and self.refit.mode != "non_colocated":
+            raise ConfigError(f"`bench.fanouts` compares how buffers reach the inference ranks "
+                              f"of a non-colocated run; got refit.mode={self.refit.mode}")
         colocated_only = [m for m in self.bench.modes if m in COLOCATED_MODES]
         if colocated_only and self.refit.mode != "colocated":
             raise ConfigError(f"`bench.modes` {', '.join(colocated_only)} needs "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -95,20 +95,30 @@ def receive_refits(endpoint, init_info, *, num_refits: int, first_timed: int,
     """``num_refits`` refits into ``endpoint`` (a ``WeightTransferEndpoint`` or a
     ``VllmWeightTransfer``: the same four calls) connected through ``init_info``; the receiver
     telemetry of the timed ones, and the error that ended them early (None if none did)."""
-    timed, error = [], None
+    timed = []
     try:
         endpoint.init_weight_transfer_engine(init_info)
-        for index in range(num_refits):
-            endpoint.start_weight_update()
-            try:
-                telemetry = endpoint.update_weights()
-            finally:
-                try:
-                    endpoint.finish_weight_update(index)
-                except RefitError:
-                    pass  # the update failed: its error is the one reported
-            if first_timed <= index < first_timed + num_timed:
-                timed.append(telemetry.as_dict())
+        for telemetry in timed_refits(endpoint, num_refits=num_refits, first_timed=first_timed,
+                                      num_timed=num_timed):
+            timed.append(telemetry)
     except RefitError:
-        error = traceback.format_exc()
-    return timed, error
+        return timed, traceback.format_exc()
+    return timed, None
+
+
+def timed_refits(endpoint, *, num_refits: int, first_timed: int,
+                 num_timed: int) -> Iterator[dict]:
+    """``num_refits`` refits into ``endpoint`` (connected: ``init_weight_transfer_engine``
+    done); yields the receiver telemetry of refits ``first_timed`` to
+    ``first_timed + num_timed - 1`` as each ends. A failed refit raises."""
+    for index in range(num_refits):
+        endpoint.start_weight_update()
+        try:
+            telemetry = endpoint.update_weights()
+        finally:
+            try:
+                endpoint.finish_weight_update(index)
+            except RefitError:
+                pass  # the update failed: its error is the one reported
+        if first_timed <= index < first_timed + num_timed:
+            yield telemetry.as_dict()

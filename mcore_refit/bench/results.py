@@ -6,10 +6,12 @@ import dataclasses
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_refit.bench.config import TargetsConfig
+from mcore_refit.control import Outcome, is_consequential
 from mcore_refit.refit.telemetry import RefitTelemetry
 
 PHASES = ("export_s", "pack_s", "transfer_s", "load_s", "wait_s", "checksum_s")
@@ -38,6 +40,12 @@ class ModeResult:
     receiver_new_allocations: int | None = None
     receiver_new_segments: int | None = None
     error: str | None = None
+    # Non-colocated refit modes: how buffers reached the inference ranks (refit.transport.fanout).
+    fanout: str | None = None
+    # Colocated raw link with several ranks: each GPU's ingress over its links (an all-gather).
+    ingress_gbps: float | None = None
+    # Refit modes: the payload bytes each source rank sends (the floor's local shares).
+    source_bytes: list[int] | None = None
 
     @property
     def refit_s_median(self) -> float:
@@ -64,7 +72,9 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
                         num_tensors=plan.num_tensors, num_buffers=plan.num_buffers,
                         num_sources=len(plan.sources),
                         held_bytes=max((t.held_bytes for t in sender), default=None),
-                        largest_tensor_bytes=plan.largest_tensor_bytes, error=error)
+                        largest_tensor_bytes=plan.largest_tensor_bytes, error=error,
+                        source_bytes=[sum(b.wire_bytes for b in plan.buffers if b.source == s)
+                                      for s in plan.sources])
     if sender:
         result.phases = {p: round(statistics.median(getattr(t, p) for t in sender), 6)
                          for p in PHASES}
@@ -80,19 +90,42 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     return result
 
 
-def receiver_rows(gathered: list[Any], *, mode: str, error: str | None) -> list[dict]:
-    """The inference ranks' telemetry rows from the end-of-mode gather over every rank (trainer
-    ranks send ``[]``). A row of another kind means the ranks fell out of step: some rank left
-    a refit that another was still in. Raised naming the rank, with this rank's own refit error
-    (the likely cause) first."""
+def rank_row(telemetry: list[dict], error: BaseException | None) -> dict[str, Any]:
+    """What one rank contributes to the end-of-mode gather: its timed refits' telemetry (an
+    inference rank's; a trainer rank's is folded locally) and its error, if the mode failed
+    there, marked consequential when it only says that a wait broke (:func:`is_consequential`)."""
+    return {"telemetry": telemetry,
+            "error": Outcome.failed(error).error if error is not None else None,
+            "consequential": error is not None and is_consequential(error)}
+
+
+def fold_rows(gathered: list[Any], *, mode: str,
+              name_of: Callable[[int], str]) -> tuple[list[dict], str | None]:
+    """The inference ranks' telemetry and the mode's error from the end-of-mode gather over
+    every rank (:func:`rank_row` each; ``name_of`` names a rank of the gather).
+
+    The error leads with a root failure, named by its rank (a rank's own error before the
+    timeouts and broken waits it caused); a row of another shape (the ranks fell out of step:
+    one left an exchange that another was still in) is reported after it, never raised.
+    """
+    telemetry: list[dict] = []
+    causes: list[tuple[bool, str]] = []
+    out_of_step: list[str] = []
     for rank, row in enumerate(gathered):
-        if not (isinstance(row, list) and all(isinstance(t, dict) for t in row)):
-            cause = f"this rank's refit failed first: {error}" if error else \
-                "this rank's refits all succeeded"
-            raise RuntimeError(
-                f"mode {mode}: rank {rank} of the launch sent {json.dumps(row)[:200]} where its "
-                f"refit telemetry was due, so the ranks fell out of step; {cause}")
-    return [t for row in gathered for t in row]
+        rows = row.get("telemetry") if isinstance(row, dict) else None
+        if not (isinstance(rows, list) and all(isinstance(t, dict) for t in rows)):
+            out_of_step.append(f"{name_of(rank)} sent {json.dumps(row)[:200]} where its "
+                               "telemetry was due: the ranks fell out of step")
+            continue
+        telemetry.extend(rows)
+        if row.get("error"):
+            causes.append((bool(row.get("consequential")), f"{name_of(rank)}: {row['error']}"))
+    texts = [text for _, text in sorted(causes, key=lambda cause: cause[0])] + out_of_step
+    unique = list(dict.fromkeys(texts))
+    if not unique:
+        return telemetry, None
+    then = "".join(f"\nthen: {text}" for text in unique[1:])
+    return telemetry, f"mode {mode} failed on {unique[0]}{then}"
 
 
 def summarize(results: list[ModeResult], *, source: str, placement: str,
@@ -105,39 +138,16 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
                       "fraction_of_link": round(r.gbps / link_gbps, 4) if link_gbps else None,
                       "verified": r.verified} for r in results}
     checks: dict[str, Any] = {}
-    engine = by_mode.get("engine")
-    if engine is not None and link_gbps and source != "megatron":
-        if placement == "non_colocated":
-            needed = targets.link_fraction
-        else:
-            needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
-                      else targets.copy_fraction_dense)
-        checks["transport_vs_link"] = _at_least(engine.gbps / link_gbps, needed)
-    shared = by_mode.get("shared_weights")
-    if shared is not None and link_gbps and source != "megatron":
-        needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
-                  else targets.copy_fraction_dense)
-        checks["shared_weights_vs_link"] = _at_least(shared.gbps / link_gbps, needed)
-    transport = by_mode.get("transport_alone")
-    if engine is not None and transport is not None:
-        checks["refit_vs_transport_alone"] = {
-            **_at_most(_ratio(engine.refit_s_median, transport.refit_s_median),
-                       targets.refit_over_transport),
-            "refit_s": round(engine.refit_s_median, 6),
-            "transport_s": round(transport.refit_s_median, 6)}
-    floor = by_mode.get("vllm_load_floor")
-    for name in ("engine", "transport_alone"):
-        refit = by_mode.get(name)
-        if floor is not None and refit is not None:
-            checks[f"{name}_vs_vllm_load_floor"] = {
-                **_at_most(_ratio(refit.refit_s_median, floor.refit_s_median),
-                           targets.refit_over_vllm_floor),
-                "refit_s": round(refit.refit_s_median, 6),
-                "floor_s": round(floor.refit_s_median, 6)}
-    bridge = by_mode.get("bridge_export")
-    if engine is not None and bridge is not None:
-        checks["refit_speedup_over_bridge_export"] = {
-            "ratio": round(_ratio(bridge.refit_s_median, engine.refit_s_median), 4)}
+    # One set of refit checks per fan-out (bench.fanouts: engine/broadcast, engine/relay, ...),
+    # each against the one vLLM load floor of the run (vllm_load_floor runs once).
+    suffixes = list(dict.fromkeys(r.mode[len(r.mode.split("/")[0]):] for r in results))
+    for suffix in suffixes:
+        found = {mode: by_mode.get(mode + suffix) for mode in
+                 ("engine", "transport_alone", "bridge_export", "shared_weights")}
+        for key, check in _refit_checks(found, link=link, vllm_floor=by_mode.get("vllm_load_floor"),
+                                        source=source, placement=placement, targets=targets,
+                                        alignment_bytes=alignment_bytes).items():
+            checks[key + suffix.replace("/", "@")] = check
     export, bridge_alone = by_mode.get("export_alone"), by_mode.get("bridge_export_alone")
     if export is not None and bridge_alone is not None:
         checks["export_speedup_over_bridge_export"] = {
@@ -145,6 +155,56 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
                         targets.speedup_over_bridge),
             "export_s": round(export.refit_s_median, 6),
             "bridge_export_s": round(bridge_alone.refit_s_median, 6)}
+    return {"summary": True, "source": source, "placement": placement,
+            "device": results[0].device if results else None,
+            "raw_link_gbps": round(link_gbps, 3) if link_gbps else None,
+            "modes": modes, "targets": checks,
+            "all_verified": all(r.verified is not False for r in results)}
+
+
+def _refit_checks(found: dict[str, ModeResult | None], *, link: ModeResult | None,
+                  vllm_floor: ModeResult | None, source: str, placement: str,
+                  targets: TargetsConfig, alignment_bytes: int) -> dict[str, Any]:
+    """The checks of one fan-out's refit modes (``found``: engine, transport_alone, ...), the
+    vLLM load floor's (``vllm_floor``: the run's vllm_load_floor result) among them."""
+    checks: dict[str, Any] = {}
+    link_gbps = link.gbps if link is not None else None
+    engine, transport = found["engine"], found["transport_alone"]
+    if engine is not None and link_gbps and source != "megatron":
+        if placement == "non_colocated":
+            needed = targets.link_fraction
+        else:
+            needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
+                      else targets.copy_fraction_dense)
+        checks["transport_vs_link"] = _at_least(engine.gbps / link_gbps, needed)
+    shared = found["shared_weights"]
+    if shared is not None and link_gbps and source != "megatron":
+        needed = (targets.copy_fraction_moe if source == "moe_30b_a3b"
+                  else targets.copy_fraction_dense)
+        checks["shared_weights_vs_link"] = _at_least(shared.gbps / link_gbps, needed)
+    if engine is not None and transport is not None:
+        checks["refit_vs_transport_alone"] = {
+            **_at_most(_ratio(engine.refit_s_median, transport.refit_s_median),
+                       targets.refit_over_transport),
+            "refit_s": round(engine.refit_s_median, 6),
+            "transport_s": round(transport.refit_s_median, 6)}
+    for name in ("engine", "transport_alone"):
+        refit = found[name]
+        if vllm_floor is not None and refit is not None:
+            checks[f"{name}_vs_vllm_load_floor"] = {
+                **_at_most(_ratio(refit.refit_s_median, vllm_floor.refit_s_median),
+                           targets.refit_over_vllm_floor),
+                "refit_s": round(refit.refit_s_median, 6),
+                "floor_s": round(vllm_floor.refit_s_median, 6)}
+    bridge = found["bridge_export"]
+    if engine is not None and bridge is not None:
+        checks["refit_speedup_over_bridge_export"] = {
+            "ratio": round(_ratio(bridge.refit_s_median, engine.refit_s_median), 4)}
+    floor = colocated_floor_s(engine, link)
+    if floor is not None:
+        checks["refit_vs_floor"] = {
+            **_at_most(_ratio(engine.refit_s_median, floor), targets.refit_over_floor),
+            "refit_s": round(engine.refit_s_median, 6), "floor_s": round(floor, 6)}
     if engine is not None and engine.peak_extra_bytes is not None:
         bound = engine.held_bytes + engine.largest_tensor_bytes + 2 * alignment_bytes
         checks["peak_extra_memory"] = {"bytes": engine.peak_extra_bytes, "bound": bound,
@@ -155,11 +215,20 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
             "receiver_new_allocations": engine.receiver_new_allocations,
             "receiver_new_segments": engine.receiver_new_segments,
             "met": engine.new_segments == 0 and not engine.receiver_new_segments}
-    return {"summary": True, "source": source, "placement": placement,
-            "device": results[0].device if results else None,
-            "raw_link_gbps": round(link_gbps, 3) if link_gbps else None,
-            "modes": modes, "targets": checks,
-            "all_verified": all(r.verified is not False for r in results)}
+    return checks
+
+
+def colocated_floor_s(engine: ModeResult | None, link: ModeResult | None) -> float | None:
+    """The least time a colocated refit on several GPUs can take: on the slowest GPU, the bytes
+    of the other ranks' sources over its ingress (``link.ingress_gbps``, an all-gather in the
+    same run) plus its own source's bytes at device-copy speed (``link.gbps``). None unless
+    both were measured."""
+    if engine is None or link is None or not engine.source_bytes or not link.ingress_gbps \
+            or link.gbps <= 0:
+        return None
+    total = sum(engine.source_bytes)
+    return max((total - own) / (link.ingress_gbps * 1e9) + own / (link.gbps * 1e9)
+               for own in engine.source_bytes)
 
 
 def emit(line: dict[str, Any], output: str | None) -> None:

@@ -65,6 +65,13 @@ class BenchSources:
         # (a copy would only take memory the MoE set on one GPU does not have).
         return self.main
 
+    def prepare(self, mode: str, plan: RefitPlan) -> None:
+        """What ``mode``'s refits need before the first one: ``transport_alone``'s capture
+        (collective over the trainer ranks)."""
+        source = self.for_mode(mode)
+        if isinstance(source, Captured):
+            source.capture(plan)
+
     def captured(self) -> Captured:
         """The main source's tensors captured in memory (built on first use, then kept)."""
         if self._captured is None:
@@ -99,8 +106,8 @@ def build_megatron(config: MegatronSourceConfig, *, device: torch.device):
     return build_model(model_config, model_parallel, device=device)
 
 
-def write_preset_config(preset: str, *, num_layers: int | None = None) -> str:
-    """A config-only checkpoint directory for ``preset`` (random weights need no files)."""
+def preset_config(preset: str, *, num_layers: int | None = None):
+    """The transformers config of ``preset`` (at ``num_layers`` layers when given)."""
     from transformers import AutoConfig
 
     architecture, fields = PRESETS[preset]
@@ -110,8 +117,13 @@ def write_preset_config(preset: str, *, num_layers: int | None = None) -> str:
     model_type = {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}[architecture]
     config = AutoConfig.for_model(model_type, **fields)
     config.architectures = [architecture]
+    return config
+
+
+def write_preset_config(preset: str, *, num_layers: int | None = None) -> str:
+    """A config-only checkpoint directory for ``preset`` (random weights need no files)."""
     path = tempfile.mkdtemp(prefix=f"refit_bench_{preset}_")
-    config.save_pretrained(path)
+    preset_config(preset, num_layers=num_layers).save_pretrained(path)
     return path
 
 
@@ -133,10 +145,15 @@ class Captured:
         return self._source.layout()
 
     def begin(self, plan: RefitPlan) -> _CapturedPass:
+        self.capture(plan)
+        return _CapturedPass(self._tensors)
+
+    def capture(self, plan: RefitPlan) -> None:
+        """Capture the tensors ``plan`` sends from this rank, unless held for it already."""
         if self._fingerprint != plan.fingerprint:
+            self._tensors = None  # the old capture's memory first
             self._tensors = self._capture(plan)
             self._fingerprint = plan.fingerprint
-        return _CapturedPass(self._tensors)
 
     def _capture(self, plan: RefitPlan) -> list[tuple[str, torch.Tensor]]:
         refit_pass = self._source.begin(plan)

@@ -10,6 +10,7 @@ outcome exchange (both span every rank); an export's is the slowest trainer rank
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -18,11 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_refit.bench.rank import BenchRank
-from mcore_refit.bench.results import ModeResult, progress, receiver_rows, transport_result
+from mcore_refit.bench.config import FANOUT_MODES
+from mcore_refit.bench.rank import BenchRank, timed_refits
+from mcore_refit.bench.results import (
+    ModeResult,
+    fold_rows,
+    progress,
+    rank_row,
+    transport_result,
+)
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
-from mcore_refit.control import ControlGroup
+from mcore_refit.control import ControlGroup, Outcome
 from mcore_refit.distributed import SplitJob
 from mcore_refit.refit import (
     BroadcastInitInfo,
@@ -32,6 +40,7 @@ from mcore_refit.refit import (
     plan_for_source,
 )
 from mcore_refit.refit.checksum import DigestRecorder, verify_engine_weights
+from mcore_refit.refit.config import TransportOptions
 from mcore_refit.refit.group import GroupCollectives
 from mcore_refit.refit.plan import spec_from_json, spec_to_json
 from mcore_refit.refit.streams import DeviceStreams
@@ -46,6 +55,14 @@ class SplitBench(BenchRank):
     trainers: ControlGroup  # the trainer ranks
     sources: BenchSources | None  # trainer ranks only
     vllm: VllmBenchEngine | None = None  # inference ranks with bench.engine=vllm, made once
+    fanout: str | None = None  # the refit mode's fan-out (bench.fanouts), None: configured
+
+    @property
+    def options(self) -> TransportOptions:
+        """The transport options of the mode running now."""
+        options = self.job.refit.transport
+        return options if self.fanout is None else dataclasses.replace(options,
+                                                                       fanout=self.fanout)
 
     @property
     def is_trainer(self) -> bool:
@@ -63,19 +80,27 @@ class SplitBench(BenchRank):
 
 
 def run_split(bench: SplitBench) -> list[ModeResult] | None:
-    """Every mode of ``bench.job.bench.modes``; the results on trainer rank 0, else None."""
+    """Every mode of ``bench.job.bench.modes`` (a refit mode once per ``bench.fanouts``, named
+    ``mode/fanout``); the results on trainer rank 0, else None."""
     results = []
+    fanouts = bench.job.bench.fanouts
     for mode in bench.job.bench.modes:
-        bench.control.barrier(what=f"every rank at the start of mode {mode}",
-                              timeout_s=bench.job.refit.transport.start_timeout_s)
-        role = MODES[mode]
-        if bench.is_trainer:
-            results.append(role.trainer(bench, mode))
-            if bench.rank == 0:
-                progress(results[-1])
-        else:
-            role.receiver(bench, mode)
-        bench.synchronize()
+        for fanout in fanouts if fanouts and mode in FANOUT_MODES else [None]:
+            name = mode if fanout is None else f"{mode}/{fanout}"
+            bench.fanout = fanout
+            bench.control.barrier(what=f"every rank at the start of mode {name}",
+                                  timeout_s=bench.job.refit.transport.start_timeout_s)
+            role = MODES[mode]
+            if bench.is_trainer:
+                result = role.trainer(bench, mode)
+                if result is not None and mode in FANOUT_MODES:
+                    result.mode, result.fanout = name, bench.options.fanout
+                results.append(result)
+                if bench.rank == 0:
+                    progress(results[-1])
+            else:
+                role.receiver(bench, mode)
+            bench.synchronize()
     return results if bench.is_trainer and bench.rank == 0 else None
 
 
@@ -168,63 +193,90 @@ def _naive_receiver(bench: SplitBench, mode: str) -> None:
 
 
 def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
-    """Warm-up and timed refits of ``mode``'s source, then one verified refit."""
+    """Warm-up and timed refits of ``mode``'s source, then one verified refit.
+
+    Every step a rank can fail in alone (capturing the source, allocating slots and engines)
+    ends in an outcome exchange over every rank, and a failed refit raises on every rank, so
+    all ranks leave the mode together and meet at its end-of-mode gather in step; the mode's
+    error names the root failure and its rank first (:func:`fold_rows`).
+    """
     job, split = bench.job, bench.split
     source = bench.sources.for_mode(mode)
     plan = plan_for_source(source, config=bench.plan_config(mode), device=bench.device)
-    sender = BroadcastSender(plan=plan, placement=split.placement, rank=split.global_rank,
-                             control=bench.control,
-                             data_group=split.data_groups.get(split.global_rank),
-                             device=bench.device, options=job.refit.transport,
-                             cpu_device_id=f"bench{split.global_rank}")
     timed, verified, error = [], None, None
-    with Refitter(source=source, sender=sender) as refitter:
-        refitter.prepare()
-        for index in range(bench.num_refits()):
-            verify = job.bench.verify and index == bench.num_refits() - 1
-            try:
+    try:
+        _in_step(bench, f"capturing the source of {mode}", bench.sources.prepare, mode, plan)
+        sender = BroadcastSender(plan=plan, placement=split.placement, rank=split.global_rank,
+                                 control=bench.control,
+                                 data_group=split.data_groups.get(split.global_rank),
+                                 links=split.links, device=bench.device, options=bench.options,
+                                 cpu_device_id=f"bench{split.global_rank}")
+        with Refitter(source=source, sender=sender) as refitter:
+            _in_step(bench, f"preparing the slots and engines of {mode}", refitter.prepare)
+            for index in range(bench.num_refits()):
+                verify = job.bench.verify and index == bench.num_refits() - 1
                 telemetry = refitter.refit(verify=verify)
-            except Exception:  # every rank took part in the failed refit; the mode ends
-                error, verified = traceback.format_exc(), False
-                break
-            if bench.timed(index):
-                timed.append(telemetry)
-            if verify:
-                verified = telemetry.verified is True
-    received = receiver_rows(
-        bench.control.all_gather_json([], what=f"the receivers' telemetry of {mode}"),
-        mode=mode, error=error)
+                if bench.timed(index):
+                    timed.append(telemetry)
+                if verify:
+                    verified = telemetry.verified is True
+    except Exception as failure:  # raised on every rank alike; the mode ends
+        error, verified = failure, False
+    received, message = fold_rows(
+        bench.control.all_gather_json(rank_row([], error),
+                                      what=f"the receivers' telemetry of {mode}"),
+        mode=mode, name_of=split.placement.name_of)
     return transport_result(mode, plan, timed, received, verified=verified,
-                            device=bench.device_name, error=error)
+                            device=bench.device_name, error=message)
 
 
 def _refit_receiver(bench: SplitBench, mode: str) -> None:
-    split, options = bench.split, bench.job.refit.transport
+    split, options = bench.split, bench.options
     info = BroadcastInitInfo(placement=split.placement, receiver=split.context.rank,
-                             control=bench.control, data_groups=split.data_groups)
-    if bench.job.bench.engine == "vllm":
-        timed, error = bench.vllm_engine().receive(
-            info, num_refits=bench.num_refits(), first_timed=bench.job.bench.num_warmup,
-            num_timed=bench.job.bench.num_refits)
-        if error is not None:  # the refit failed on every rank: the trainers report it
-            print(f"bench: inference rank {split.global_rank}: {mode} failed:\n{error}",
-                  file=sys.stderr, flush=True)
-        bench.control.all_gather_json(timed, what=f"the receivers' telemetry of {mode}")
-        return
-    receiver = info.connect(device=bench.device, options=options, plan=None)
-    timed = []
-    with receiver:
-        receiver.prepare()
-        engine = TensorDictEngine.from_specs(receiver.plan.specs(), device=bench.device)
-        try:
-            for index in range(bench.num_refits()):
-                telemetry = receiver.receive(engine)
-                if bench.timed(index):
-                    timed.append(telemetry.as_dict())
-        except Exception:  # the refit failed on every rank: the trainers report it
-            print(f"bench: inference rank {split.global_rank}: {mode} refit {index} failed:\n"
-                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-    bench.control.all_gather_json(timed, what=f"the receivers' telemetry of {mode}")
+                             control=bench.control, data_groups=split.data_groups,
+                             links=split.links)
+    timed, error = [], None
+    try:
+        if bench.job.bench.engine == "vllm":
+            # vLLM starts (once, at the first refit mode) while the trainers capture the source.
+            _in_step(bench, f"capturing the source of {mode}", bench.vllm_engine)
+            with bench.vllm.transfer(options) as transfer:
+                _in_step(bench, f"preparing the slots and engines of {mode}",
+                         transfer.init_weight_transfer_engine, info)
+                for telemetry in timed_refits(transfer, num_refits=bench.num_refits(),
+                                              first_timed=bench.job.bench.num_warmup,
+                                              num_timed=bench.job.bench.num_refits):
+                    timed.append(telemetry)
+        else:
+            _in_step(bench, f"capturing the source of {mode}", lambda: None)
+            receiver = info.connect(device=bench.device, options=options, plan=None)
+            with receiver:
+                def ready() -> TensorDictEngine:
+                    receiver.prepare()
+                    return TensorDictEngine.from_specs(receiver.plan.specs(),
+                                                       device=bench.device)
+
+                engine = _in_step(bench, f"preparing the slots and engines of {mode}", ready)
+                for index in range(bench.num_refits()):
+                    telemetry = receiver.receive(engine)
+                    if bench.timed(index):
+                        timed.append(telemetry.as_dict())
+    except Exception as failure:  # raised on every rank alike: the trainers report it
+        error = failure
+        print(f"bench: inference rank {split.global_rank - split.num_trainer_ranks}: {mode} "
+              f"failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    bench.control.all_gather_json(rank_row(timed, error),
+                                  what=f"the receivers' telemetry of {mode}")
+
+
+def _in_step(bench: SplitBench, what: str, action: Callable, *args):
+    """``action(*args)`` on this rank, then its outcome shared with every rank of the launch:
+    :class:`~mcore_refit.control.RankFailure` on every rank, naming the failing rank, if it
+    failed on any."""
+    outcome = Outcome.of(action, *args)
+    bench.control.share_outcomes(outcome if not outcome.ok else Outcome(ok=True), what=what,
+                                 who=bench.split.placement.name_of)
+    return outcome.value
 
 
 # --- vLLM's own load -------------------------------------------------------------------------

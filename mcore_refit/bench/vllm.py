@@ -80,12 +80,18 @@ class VllmBenchEngine:
         """``num_refits`` refits through ``init_info``'s transport; the receiver telemetry of
         the timed ones and the error that ended them early (``None`` if none did)."""
         from mcore_refit.bench.rank import receive_refits
-        from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
 
-        with VllmWeightTransfer(self.llm, device=self.device,
-                                options=self.options) as transfer:
+        with self.transfer() as transfer:
             return receive_refits(transfer, init_info, num_refits=num_refits,
                                   first_timed=first_timed, num_timed=num_timed)
+
+    def transfer(self, options: TransportOptions | None = None):
+        """A ``VllmWeightTransfer`` into this engine, receiving with ``options`` (this engine's
+        by default; a split benchmark passes the running mode's fan-out)."""
+        from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+        return VllmWeightTransfer(self.llm, device=self.device,
+                                  options=options if options is not None else self.options)
 
     def load_floor(self, repetitions: int) -> tuple[list[float], int]:
         """Seconds of each of ``repetitions`` loads, by vLLM's loader, of the tensors the last

@@ -7,6 +7,8 @@ tear the process groups down however the run ends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,7 @@ from mcore_refit.control import ControlGroup, raise_dead_peer_first
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.evaluation import EVAL_SEED_OFFSET, draw_eval_set
 from mcore_refit.grpo.loop import check_same_optimizer, run_grpo
+from mcore_refit.grpo.memory import check_grpo_memory
 from mcore_refit.grpo.preflight import check_model_and_data
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
@@ -24,6 +27,7 @@ from mcore_refit.grpo.runlock import RunLock
 from mcore_refit.grpo.tasks import build_task
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.interrupts import StopSignals
+from mcore_refit.memory import gpu_capacities
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
 
@@ -40,12 +44,18 @@ def lock_run_directory(config: GRPOJobConfig, *, rank: int, job_id: str) -> RunL
     return lock
 
 
-def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> None:
+def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool,
+                    local_world_size: int | None = None, num_gpus: int | None = None,
+                    capacity_of: Callable[[int], int] | None = None) -> None:
     """What the config alone cannot check: the launch's size, local files (the model's, the
-    data against the model: :mod:`~mcore_refit.grpo.preflight`), the run directory.
+    data against the model: :mod:`~mcore_refit.grpo.preflight`), each GPU's memory, the run
+    directory.
 
     Cheap and local: call on every rank before the start-up (process groups, model), so a bad
-    launch fails in seconds with an error that names the key.
+    launch fails in seconds with an error that names the key, or the GPU that is short
+    (:class:`~mcore_refit.memory.InsufficientGpuMemory`). The GPUs (``num_gpus`` per node of
+    ``local_world_size`` ranks, ``capacity_of(gpu)`` bytes each) default to this node's; without
+    CUDA nothing is checked.
     """
     try:
         config.model.check_local()
@@ -69,6 +79,12 @@ def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool) -> 
             f"`grpo.prompts_per_step`={config.grpo.prompts_per_step} is smaller than the "
             f"{num_engines} inference engines ({_engines_come_from(config)}); every engine "
             "needs at least one prompt per step")
+    if num_gpus is None and torch.cuda.is_available():
+        num_gpus, capacity_of = torch.cuda.device_count(), gpu_capacities()
+    if num_gpus is not None:
+        check_grpo_memory(config, world_size=world_size,
+                          local_world_size=local_world_size or world_size, num_gpus=num_gpus,
+                          capacity_of=capacity_of)
     try:
         build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
     except (OSError, ValueError) as error:
@@ -146,7 +162,8 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
                                      num_inference_ranks=config.inference.num_ranks,
                                      store_host=store_host, store_port=store_port,
                                      timeout_s=config.collective_timeout_s,
-                                     liveness_s=config.refit.transport.liveness_s)
+                                     liveness_s=config.refit.transport.liveness_s,
+                                     fanout=config.refit.transport.fanout)
     if stops is not None:
         stops.watch(job.context.peers)
     failed = True

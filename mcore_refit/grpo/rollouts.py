@@ -193,8 +193,9 @@ class DedicatedRollouts:
             plan=plan, placement=job.placement, rank=job.context.rank,
             control=ControlGroup(job.refit_control, timeout_s=timeout_s,
                                  name="the refit control group", peers=peers),
-            data_group=job.data_groups.get(job.context.rank), device=job.context.device,
-            options=config.refit.transport, cpu_device_id=f"job{job.global_rank}")
+            data_group=job.data_groups.get(job.context.rank), links=job.links,
+            device=job.context.device, options=config.refit.transport,
+            cpu_device_id=f"job{job.global_rank}")
         self.refitter = Refitter(source=source, sender=sender)
         self.refitter.prepare()
 
@@ -310,7 +311,7 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
                     placement=job.placement, receiver=job.context.rank,
                     control=ControlGroup(job.refit_control, timeout_s=timeout_s,
                                          name="the refit control group", peers=peers),
-                    data_groups=job.data_groups))
+                    data_groups=job.data_groups, links=job.links))
             elif op == "generate":
                 reply = Outcome.of(_generate_shard, engine, command, shard, num_shards)
                 commands.all_gather_json(reply.to_json(), what="the generate replies")

@@ -38,7 +38,8 @@ from mcore_refit.distributed import Placement
 from mcore_refit.refit.buffers import BufferHeader, BufferSlots, BufferStatus
 from mcore_refit.refit.checksum import DIGEST_WORDS, buffer_checksum, verify_engine_weights
 from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.group import GroupCollectives, PendingTransfer
+from mcore_refit.refit.fanout import BroadcastFanout, Link, RelayFanout, check_same_fanout
+from mcore_refit.refit.group import PendingTransfer
 from mcore_refit.refit.ipc_memory import (
     create_shared_cpu_slot,
     describe_slot,
@@ -91,7 +92,8 @@ class BroadcastSender(RefitSender):
     def __init__(self, *, plan: RefitPlan, placement: Placement, rank: int,
                  control: ControlGroup, data_group: dist.ProcessGroup | None,
                  device: torch.device, options: TransportOptions,
-                 cpu_device_id: str | None = None) -> None:
+                 cpu_device_id: str | None = None,
+                 links: dict[Link, dist.ProcessGroup] | None = None) -> None:
         super().__init__(plan=plan)
         self._placement = placement
         self._rank = rank
@@ -101,12 +103,15 @@ class BroadcastSender(RefitSender):
         self._rounds = RefitRounds(control, name_of=placement.name_of)
         self._ipc = placement.ipc_receivers(rank) if rank in plan.sources else []
         self._remote = placement.remote_receivers(rank) if rank in plan.sources else []
-        self._data = None
-        if self._remote:
+        self._fanout = None
+        if self._remote and options.fanout == "relay":
+            self._fanout = RelayFanout(plan=plan, placement=placement, me=rank,
+                                       links=links or {}, streams=self._streams)
+        elif self._remote:
             if data_group is None:
                 raise ValueError(f"trainer rank {rank} sends to inference ranks {self._remote} "
                                  "but has no data group")
-            self._data = GroupCollectives(group=data_group, streams=self._streams)
+            self._fanout = BroadcastFanout(data_groups={rank: data_group}, streams=self._streams)
         self._cpu_device_id = cpu_device_id
         self._owner: OwnerRecord | None = None
         self._pipe: _Slots | None = None
@@ -121,6 +126,7 @@ class BroadcastSender(RefitSender):
         self._control.broadcast_json(self.plan.to_json() if self._rank == 0 else None, src=0,
                                      what="the refit plan from trainer rank 0",
                                      timeout_s=timeout_s)
+        check_same_fanout(self._control, self._options, name_of=self._placement.name_of)
         if self._pipe is None and self._rank in self.plan.sources:
             self._pipe = _Slots(self._allocate(), self._streams)
             if self._ipc:
@@ -224,14 +230,15 @@ class BroadcastSender(RefitSender):
             telemetry.wait_s += time.perf_counter() - waited
             status = producer.produce(buffer, refit_index=refit_index)
             self._streams.record(pipe.released[slot])
-            if self._data is not None:
+            if self._fanout is not None:
                 stream = pipe.streams[slot]
                 self._streams.stream_wait(pipe.released[slot], stream)
-                moving[slot] = self._data.broadcast_async(
-                    pipe.slots.wire_view(buffer.index), src_rank=0, stream=stream,
+                moving[slot] = self._fanout.send(
+                    buffer, pipe.slots.wire_view(buffer.index), stream=stream,
                     done=pipe.moved[slot],
-                    what=f"the broadcast of buffer {buffer.index}/{plan.num_buffers} of refit "
-                         f"{refit_index} to inference ranks {self._remote}")
+                    what=f"sending buffer {buffer.index}/{plan.num_buffers} of refit "
+                         f"{refit_index} to inference ranks {self._remote} "
+                         f"({self._fanout.name})")
             if self._ipc:
                 # Another process reads the slot: its bytes must be complete first.
                 self._streams.host_wait(pipe.released[slot], timeout_s=timeout_s,
@@ -287,15 +294,17 @@ class BroadcastReceiver(RefitReceiver):
 
     def __init__(self, *, placement: Placement, receiver: int, control: ControlGroup,
                  data_groups: dict[int, dist.ProcessGroup], device: torch.device,
-                 options: TransportOptions, plan: RefitPlan | None = None) -> None:
+                 options: TransportOptions, plan: RefitPlan | None = None,
+                 links: dict[Link, dist.ProcessGroup] | None = None) -> None:
         self._placement = placement
         self._receiver = receiver
         self._control = control
         self._options = options
         self._streams = DeviceStreams(device, peers=getattr(control, "peers", None))
         self._rounds = RefitRounds(control, name_of=placement.name_of)
-        self._data = {source: GroupCollectives(group=group, streams=self._streams)
-                      for source, group in data_groups.items()}
+        self._data_groups = data_groups
+        self._links = links or {}
+        self._fanout: BroadcastFanout | RelayFanout | None = None
         self._own_plan = plan
         self._plan: RefitPlan | None = plan
         self._pipe: _Slots | None = None
@@ -316,6 +325,13 @@ class BroadcastReceiver(RefitReceiver):
             None, src=0, what="the refit plan from trainer rank 0", timeout_s=timeout_s))
         plan = self._own_plan if self._own_plan is not None else sent
         self._plan = plan
+        check_same_fanout(self._control, self._options, name_of=self._placement.name_of)
+        if self._options.fanout == "relay":
+            self._fanout = RelayFanout(plan=plan, placement=self._placement,
+                                       me=self._placement.control_rank(self._receiver),
+                                       links=self._links, streams=self._streams)
+        else:
+            self._fanout = BroadcastFanout(data_groups=self._data_groups, streams=self._streams)
         for source in plan.sources:
             if self._placement.ipc(source, self._receiver):
                 data = self._control.recv_json(src=source, tag=_TAG_SLOTS, timeout_s=timeout_s,
@@ -378,13 +394,16 @@ class BroadcastReceiver(RefitReceiver):
         plan, timeout_s = self._plan, self._options.timeout_s
         remote = [b for b in plan.buffers if b.source not in self._mapped]
         posted: dict[int, PendingTransfer] = {}
+        # slot -> the forwards (relay) still reading it; on a GPU its stream orders them
+        # before the slot's next receive, on the CPU the host waits for them first.
+        forwarding: dict[int, list[PendingTransfer]] = {}
         next_post = 0
         occupied: set[int] = set()  # slots holding a posted buffer not yet loaded
         failure = None
         first = time.perf_counter()
 
         def post_ahead() -> None:
-            # Broadcasts are posted in plan order into free slots only; none before the start.
+            # Receives are posted in plan order into free slots only; none before the start.
             nonlocal next_post
             while next_post < len(remote):
                 buffer = remote[next_post]
@@ -392,7 +411,12 @@ class BroadcastReceiver(RefitReceiver):
                 if slot in occupied:
                     return
                 occupied.add(slot)
+                if not self._streams.is_cuda:
+                    for transfer in forwarding.pop(slot, []):
+                        transfer.wait_host(self._streams, timeout_s=timeout_s)
                 self._post(buffer, refit_index=refit_index, posted=posted)
+                if self._streams.is_cuda:
+                    forwarding[slot] = self._forward(buffer, refit_index=refit_index)
                 next_post += 1
 
         for buffer in plan.buffers:
@@ -405,6 +429,9 @@ class BroadcastReceiver(RefitReceiver):
             waited = time.perf_counter()
             posted.pop(buffer.index).wait_host(self._streams, timeout_s=timeout_s)
             telemetry.wait_s += time.perf_counter() - waited
+            if not self._streams.is_cuda:  # the bytes are here: pass them on
+                forwarding[self._pipe.slots.slot_index(buffer.index)] = self._forward(
+                    buffer, refit_index=refit_index)
             slots = self._pipe.slots
             problem = self._check(slots, buffer.index, refit_index=refit_index,
                                   checksums=checksums)
@@ -414,9 +441,21 @@ class BroadcastReceiver(RefitReceiver):
             slot = slots.slot_index(buffer.index)
             self._streams.record(self._pipe.released[slot])
             occupied.discard(slot)
+        for transfers in forwarding.values():
+            for transfer in transfers:
+                transfer.wait_host(self._streams, timeout_s=timeout_s)
         self._streams.synchronize(timeout_s=timeout_s, what="loading the last buffer")
         telemetry.transfer_s = time.perf_counter() - first
         return failure
+
+    def _forward(self, buffer: PlannedBuffer, *, refit_index: int) -> list[PendingTransfer]:
+        """Pass ``buffer`` on from this rank's slot (relay: this rank is its entry), on the
+        slot's stream behind its receive."""
+        pipe = self._pipe
+        slot = pipe.slots.slot_index(buffer.index)
+        return self._fanout.forward(
+            buffer, pipe.slots.wire_view(buffer.index), stream=pipe.streams[slot],
+            what=f"buffer {buffer.index}/{self._plan.num_buffers} of refit {refit_index}")
 
     def _post(self, buffer: PlannedBuffer, *, refit_index: int,
               posted: dict[int, PendingTransfer]) -> None:
@@ -425,10 +464,10 @@ class BroadcastReceiver(RefitReceiver):
         stream = pipe.streams[slot]
         # The slot's stream waits for the last load from it before bytes land in it.
         self._streams.stream_wait(pipe.released[slot], stream)
-        posted[buffer.index] = self._data[buffer.source].broadcast_async(
-            pipe.slots.wire_view(buffer.index), src_rank=0, stream=stream, done=pipe.moved[slot],
+        posted[buffer.index] = self._fanout.receive(
+            buffer, pipe.slots.wire_view(buffer.index), stream=stream, done=pipe.moved[slot],
             what=f"buffer {buffer.index}/{self._plan.num_buffers} of refit {refit_index} from "
-                 f"trainer rank {buffer.source}")
+                 f"trainer rank {buffer.source} ({self._fanout.name})")
 
     def _take_ipc(self, buffer: PlannedBuffer, engine: WeightLoader, *, refit_index: int,
                   checksums: bool, failure: str | None, telemetry: RefitTelemetry) -> str | None:

@@ -27,6 +27,7 @@ from mcore_refit.config import ConfigError
 DEFAULT_SLOT_BYTES = 1 << 30
 RefitMode = Literal["colocated", "non_colocated"]
 IpcSharing = Literal["buffers", "weights"]
+Fanout = Literal["broadcast", "relay"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +92,10 @@ class TransportOptions:
     # weights = the trainer's own tensors, read in place (one copy, no slots; needs one trainer
     # rank per engine and a source of resident tensors, see mcore_refit/refit/ipc_shared.py).
     ipc_sharing: IpcSharing = "buffers"
+    # Non-colocated: how a buffer reaches the inference ranks on other devices. broadcast = one
+    # collective over the source and all of them; relay = to one of them (in turn), which
+    # forwards it to the others, each over its own two-rank link (mcore_refit/refit/fanout.py).
+    fanout: Fanout = "broadcast"
     # Record peak device memory per refit (resets the device's peak-memory counter each refit).
     track_peak_memory: bool = True
     # While waiting on a peer process (an engine's reply, another rank on the control plane),

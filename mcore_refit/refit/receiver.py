@@ -63,6 +63,8 @@ class BroadcastInitInfo:
     control: ControlGroup
     # Source trainer rank -> its data group, for the sources that broadcast to this rank.
     data_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    # refit.transport.fanout=relay: this rank's two-rank links by (from, to) job rank.
+    links: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.receiver < self.placement.num_receivers:
@@ -73,7 +75,7 @@ class BroadcastInitInfo:
                 plan: RefitPlan | None) -> RefitReceiver:
         return BroadcastReceiver(placement=self.placement, receiver=self.receiver,
                                  control=self.control, data_groups=self.data_groups,
-                                 device=device, options=options, plan=plan)
+                                 device=device, options=options, plan=plan, links=self.links)
 
 
 InitInfo = IpcInitInfo | BroadcastInitInfo

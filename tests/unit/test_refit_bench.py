@@ -3,6 +3,7 @@
 import typing
 
 import pytest
+import torch
 
 from mcore_refit.bench import colocated, split
 from mcore_refit.bench.config import (
@@ -14,9 +15,17 @@ from mcore_refit.bench.config import (
     TargetsConfig,
     check_layout,
 )
-from mcore_refit.bench.results import ModeResult, receiver_rows, summarize
+from mcore_refit.bench.results import (
+    ModeResult,
+    colocated_floor_s,
+    fold_rows,
+    rank_row,
+    summarize,
+    transport_result,
+)
 from mcore_refit.config import ConfigError, ParallelConfig, load_config
 from mcore_refit.refit.config import RefitConfig
+from mcore_refit.refit.transport import RefitTimeout
 
 TP1 = ParallelConfig()
 TP2 = ParallelConfig(tensor=2)
@@ -133,6 +142,45 @@ def test_summary_checks_the_targets_it_is_given():
     assert checks["refit_vs_transport_alone"]["met"] is False
 
 
+def test_summary_checks_each_fanout_on_its_own():
+    results = [result("raw_link", 1.0),
+               result("engine/broadcast", 1.3, verified=True, fanout="broadcast"),
+               result("transport_alone/broadcast", 1.2, verified=True, fanout="broadcast"),
+               result("engine/relay", 1.05, verified=True, fanout="relay"),
+               result("transport_alone/relay", 1.0, verified=True, fanout="relay")]
+    summary = summarize(results, source="megatron", placement="non_colocated",
+                        targets=TargetsConfig(), alignment_bytes=256)
+    checks = summary["targets"]
+    assert set(checks) == {"refit_vs_transport_alone@broadcast", "refit_vs_transport_alone@relay"}
+    assert checks["refit_vs_transport_alone@relay"]["ratio"] == 1.05
+    assert checks["refit_vs_transport_alone@broadcast"]["ratio"] == 1.0833
+    assert set(summary["modes"]) == {r.mode for r in results}
+
+
+def test_a_colocated_refit_on_several_gpus_is_checked_against_its_floor():
+    # 4 GPUs, 40 GB: rank 3 sends nothing, so it receives all 40 GB over its 400 GB/s ingress
+    # (0.1 s); rank 0 receives 30 GB (0.075 s) and copies its 10 GB at 2000 GB/s (0.005 s).
+    link = result("raw_link", 0.0005, ingress_gbps=400.0)  # 1 GB copied at 2000 GB/s
+    engine = result("engine", 0.11, payload=40_000_000_000, verified=True,
+                    source_bytes=[10_000_000_000, 15_000_000_000, 15_000_000_000, 0])
+    assert colocated_floor_s(engine, link) == pytest.approx(0.1)
+    check = summarize([link, engine], source="megatron", placement="colocated",
+                      targets=TargetsConfig(), alignment_bytes=256)["targets"]["refit_vs_floor"]
+    assert check == {"ratio": 1.1, "target": 1.15, "met": True, "refit_s": 0.11,
+                     "floor_s": 0.1}
+    assert colocated_floor_s(engine, result("raw_link", 0.0005)) is None  # one GPU: no ingress
+
+
+def test_fanouts_are_distinct_and_for_non_colocated_runs():
+    assert load_config(RefitBenchJob, None, ["bench.fanouts=[broadcast,relay]"]).bench.fanouts \
+        == ["broadcast", "relay"]
+    with pytest.raises(ConfigError, match=r"^bench.fanouts must be distinct entries of "
+                                          r"broadcast, relay, or null; got \['relay', 'relay'\]"):
+        load_config(RefitBenchJob, None, ["bench.fanouts=[relay,relay]"])
+    with pytest.raises(ConfigError, match="bench.fanouts compares how buffers reach"):
+        load_config(RefitBenchJob, None, ["bench.fanouts=[relay]", "refit.mode=colocated"])
+
+
 def test_summary_uses_the_colocated_targets_per_set_and_bounds_peak_memory():
     targets = TargetsConfig(copy_fraction_dense=0.35, copy_fraction_moe=0.25)
     engine = dict(verified=True, held_bytes=2000, largest_tensor_bytes=1000)
@@ -156,17 +204,49 @@ def test_a_failed_verification_fails_the_summary():
     assert summary["all_verified"] is False
 
 
-def test_receiver_rows_out_of_step_name_the_rank_and_this_ranks_refit_error_first():
+def name_of(rank: int) -> str:
+    return f"trainer rank {rank}" if rank < 2 else f"inference rank {rank - 2}"
+
+
+def test_the_fold_returns_the_receivers_telemetry():
     row = {"total_s": 0.1, "peak_extra_bytes": 0}
-    assert receiver_rows([[], [], [row, row]], mode="engine", error=None) == [row, row]
-    # An inference rank still in a refit's outcome exchange while the trainers gather telemetry
-    # (a refit failed on the trainer ranks only): its outcome arrives instead of its rows.
+    gathered = [rank_row([], None), rank_row([], None), rank_row([row, row], None)]
+    assert fold_rows(gathered, mode="engine", name_of=name_of) == ([row, row], None)
+
+
+def test_the_fold_names_a_failed_receivers_root_failure_first():
+    """A receiver ran out of memory while preparing; the trainer ranks only saw the shared
+    failure, or timed out waiting. The fold must not raise, and must lead with the OOM."""
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    except torch.OutOfMemoryError as error:
+        oom = rank_row([], error)
+    timeout = rank_row([], RefitTimeout("timed out after 120 s waiting for buffer 3"))
+    gathered = [timeout, rank_row([], None), oom]
+    telemetry, error = fold_rows(gathered, mode="transport_alone", name_of=name_of)
+    assert telemetry == []
+    assert error.startswith("mode transport_alone failed on inference rank 0: "
+                            "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB\n")
+    assert error.index("\nthen: trainer rank 0: RefitTimeout: timed out after 120 s") > 0
+    result = transport_result("transport_alone", _Plan(), [], telemetry, verified=False,
+                              device="cpu", error=error)
+    assert result.error == error and result.refit_s == []
+
+
+def test_rows_out_of_step_are_reported_after_the_root_failure_never_raised():
+    # An inference rank still in a refit's outcome exchange while the trainers gather telemetry:
+    # its outcome arrives instead of its row.
     outcome = {"ok": True, "value": None, "error": None, "error_type": None, "waited": False}
-    with pytest.raises(RuntimeError, match=r"^mode transport_alone: rank 2 of the launch sent "
-                                           r"\{\"ok\": true.* where its refit telemetry was due, "
-                                           r"so the ranks fell out of step; this rank's refit "
-                                           r"failed first: torch.OutOfMemoryError: CUDA out"):
-        receiver_rows([[], [], outcome], mode="transport_alone",
-                      error="torch.OutOfMemoryError: CUDA out of memory")
-    with pytest.raises(RuntimeError, match="this rank's refits all succeeded$"):
-        receiver_rows([[], ["a"]], mode="engine", error=None)
+    failed = rank_row([], RuntimeError("trainer rank 1's export broke"))
+    _, error = fold_rows([failed, ["a"], outcome], mode="engine", name_of=name_of)
+    assert error.splitlines()[0] == ("mode engine failed on trainer rank 0: RuntimeError: "
+                                     "trainer rank 1's export broke")
+    assert error.endswith('\nthen: trainer rank 1 sent ["a"] where its telemetry was due: the '
+                          'ranks fell out of step\nthen: inference rank 0 sent {"ok": true, '
+                          '"value": null, "error": null, "error_type": null, "waited": false} '
+                          'where its telemetry was due: the ranks fell out of step')
+
+
+class _Plan:
+    payload_bytes, num_tensors, num_buffers, sources, largest_tensor_bytes = 1, 1, 1, [0], 1
+    buffers = ()
