@@ -35,7 +35,7 @@ test-fast: venv
 
 demo: venv
 	rm -rf $(DEMO_DIR)/tiny-llama $(DEMO_DIR)/run
-	$(BIN)/python recipes/make_tiny_model.py $(DEMO_DIR)/tiny-llama --layers 8
+	$(BIN)/python recipes/make_tiny_model.py $(DEMO_DIR)/tiny-llama --layers 8 --hidden-size 64
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 2 recipes/grpo.py \
 	  --config configs/grpo_tiny_cpu_colocated.yaml run.output_dir=$(DEMO_DIR)/run
 

@@ -21,15 +21,20 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 TOKEN_CHARS = string.digits + string.ascii_letters + string.punctuation + " "
 
 
+# Sizes of a tiny model that vLLM's CPU kernels run: heads of size 32, the smallest its
+# attention takes (recipes/make_tiny_model.py's defaults).
+VLLM_SIZES = {"hidden_size": 128, "intermediate_size": 256}
+
+
 @dataclass(frozen=True, kw_only=True)
 class TinyModelSpec:
-    """Architecture of a tiny checkpoint. Defaults give a ~0.6M-parameter GQA model (4 layers)
-    with heads of size 32, the smallest that vLLM's CPU attention kernels take (they refuse 16)."""
+    """Architecture of a tiny checkpoint. Defaults give a ~0.2M-parameter GQA model with heads of
+    size 16, which vLLM's CPU attention refuses: for vLLM take ``VLLM_SIZES`` (heads of 32)."""
 
     architecture: Architecture = "llama"
     num_layers: int = 4
-    hidden_size: int = 128
-    intermediate_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     # Must cover the tokenizer (len(SPECIAL_TOKENS) + len(TOKEN_CHARS) = 99).

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mcore_refit.refit.ipc_owners import sweep_stale_files
-from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+from mcore_refit.tiny import VLLM_SIZES, TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT, run_torchrun
 
 FAULTS = REPO_ROOT / "tests" / "dist" / "scenarios" / "faults.py"
@@ -55,6 +55,12 @@ def checkpoint(tmp_path_factory):
                                  TinyModelSpec(num_layers=8))
 
 
+@pytest.fixture(scope="module")
+def vllm_checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("faults") / "tiny-llama-vllm",
+                                 TinyModelSpec(num_layers=8, **VLLM_SIZES))
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fault,config,nproc,killed,first_line", ROWS,
                          ids=[f"{row[0]}-{row[1].stem.removeprefix('grpo_tiny_cpu_')}"
@@ -66,11 +72,11 @@ def test_a_killed_process_is_named_first_on_every_rank_within_the_bound(
 
 @pytest.mark.timeout(900)
 def test_a_vllm_engine_killed_mid_refit_is_named_first_on_every_rank_within_the_bound(
-        checkpoint, tmp_path, ipc_dir):
+        vllm_checkpoint, tmp_path, ipc_dir):
     # vLLM runs inside the engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the kill takes
     # vLLM's worker and the refit's receiver with it, halfway through trainer rank 1's export.
     check_fault("engine_during", COLOCATED, 2, None, _ENGINE_DIED.format(what="refit"),
-                checkpoint, tmp_path, ipc_dir, "inference.engine=vllm", timeout_s=840)
+                vllm_checkpoint, tmp_path, ipc_dir, "inference.engine=vllm", timeout_s=840)
 
 
 def check_fault(fault, config, nproc, killed, first_line, checkpoint, tmp_path, ipc_dir,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+from mcore_refit.tiny import VLLM_SIZES, TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT, last_json_line, run_torchrun
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
@@ -21,7 +21,7 @@ MULT_ERR_BOUND = 1.0001
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("grpo_vllm") / "tiny-llama",
-                                 TinyModelSpec(num_layers=8))
+                                 TinyModelSpec(num_layers=8, **VLLM_SIZES))
 
 
 def metrics(output_dir):

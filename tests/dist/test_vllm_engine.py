@@ -14,7 +14,7 @@ import torch
 from mcore_refit.inference.engine import InferenceEngine, SamplingConfig
 from mcore_refit.inference.process import EngineError, EngineProcess, EngineSpec
 from mcore_refit.refit.config import TransportOptions
-from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+from mcore_refit.tiny import VLLM_SIZES, TinyModelSpec, write_tiny_checkpoint
 
 PROMPTS = ["12+7=", "3+4=", "19+19=", "a"]  # different lengths
 # fp32 on CPU: vLLM's and a transformers forward's logprobs differ by ~1e-6 (measured); a wrong
@@ -25,7 +25,7 @@ LOGPROB_TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "tiny",
-                                 TinyModelSpec(num_layers=2))
+                                 TinyModelSpec(num_layers=2, **VLLM_SIZES))
 
 
 def vllm_spec(hf_path) -> EngineSpec:
