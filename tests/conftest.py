@@ -30,3 +30,16 @@ def ipc_dir():
     path = tempfile.mkdtemp(prefix="rf", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left_behind(request):
+    """A module that leaves torch.distributed's default group behind fails here, by name, instead
+    of breaking whichever test next initialises one in this process."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.module.__name__} left torch.distributed's default process group "
+                    "initialised", pytrace=False)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from mcore_refit.tiny import TinyModelSpec
@@ -20,9 +22,29 @@ QWEN3_MOE = TinyModelSpec(architecture="qwen3_moe", num_layers=2, hidden_size=12
                           num_experts=8, num_experts_per_token=2, moe_intermediate_size=64)
 
 
-def start_llm(path: str | Path):
-    """``vllm.LLM`` over the checkpoint at ``path``, refitted through the mcore_refit backend."""
-    os.environ.update(VLLM_ENV)
-    from mcore_refit.bench.vllm import refittable_llm
+@contextlib.contextmanager
+def running_llm(path: str | Path) -> Iterator:
+    """``vllm.LLM`` over the checkpoint at ``path``, refitted through the mcore_refit backend.
 
-    return refittable_llm(path)
+    vLLM joins this process to a one-rank default process group; leaving, the engine's groups
+    are destroyed and the environment restored, so later tests in this process start clean.
+    """
+    saved = {key: os.environ.get(key) for key in VLLM_ENV}
+    os.environ.update(VLLM_ENV)
+    try:
+        from mcore_refit.bench.vllm import refittable_llm
+
+        llm = refittable_llm(path)
+        try:
+            yield llm
+        finally:
+            del llm
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

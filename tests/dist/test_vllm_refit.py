@@ -28,7 +28,7 @@ from mcore_refit.refit import (
 from mcore_refit.refit.config import PlanConfig, TransportOptions
 from mcore_refit.tiny import write_tiny_checkpoint
 from tests.tensors import bits
-from tests.vllm_llm import LLAMA, start_llm
+from tests.vllm_llm import LLAMA, running_llm
 
 CPU = torch.device("cpu")
 
@@ -37,9 +37,8 @@ CPU = torch.device("cpu")
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm") / "llama"
     write_tiny_checkpoint(path, LLAMA)
-    llm = start_llm(path)
-    yield path, llm
-    del llm
+    with running_llm(path) as llm:
+        yield path, llm
 
 
 class Trainer:
