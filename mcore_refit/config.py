@@ -236,6 +236,19 @@ def load_config[T](cls: type[T], path: str | Path | None = None,
     ``null``, ``[1, 2]``). Numbers in exponent notation (``1e-5``, ``1E5``) are numbers wherever a
     key is typed as one, in the file and in overrides (YAML 1.2's reading, not PyYAML's 1.1).
     """
+    return from_dict(cls, _read_with_overrides(path, overrides))
+
+
+def load_section[T](cls: type[T], path: str | Path | None, overrides: typing.Sequence[str],
+                    section: str) -> T:
+    """Build ``cls`` from one top-level ``section`` of what :func:`load_config` reads, ignoring
+    the others: errors name keys as ``section.key``. For what must be known before the whole
+    config can be built (its sections import heavy modules)."""
+    data = _read_with_overrides(path, overrides).get(section, {})
+    return from_dict(cls, data, path=section)
+
+
+def _read_with_overrides(path: str | Path | None, overrides: typing.Sequence[str]) -> dict:
     data: dict[str, Any] = {}
     if path is not None:
         loaded = _read_yaml(Path(path))
@@ -244,7 +257,7 @@ def load_config[T](cls: type[T], path: str | Path | None = None,
         data = loaded if loaded is not None else {}
     for override in overrides:
         _apply_override(data, override)
-    return from_dict(cls, data)
+    return data
 
 
 def to_dict(config: Any) -> Any:

@@ -48,19 +48,25 @@ def main(argv: list[str]) -> int:
     # naming the dead rank when torchrun stops the survivors of a failure, else saying that the
     # run was interrupted; and stop when the torchrun agent dies.
     with StopSignals(announce=rank == 0) as stops:
-        from mcore_refit.config import load_config
-        from mcore_refit.grpo import job
-        from mcore_refit.grpo.config import GRPOJobConfig
-        from mcore_refit.logs import configure_logging
+        from mcore_refit.config import load_config, load_section
+        from mcore_refit.grpo.run_config import RunConfig
+        from mcore_refit.grpo.runlock import lock_run_directory
 
-        # A reward module the config names (task.reward: my_pkg.rewards:score) imports from
-        # the working directory, as under `python -m`: Python put this script's folder on the
-        # path, not the working directory. After that folder, before the installed packages.
-        if os.getcwd() not in sys.path:
-            sys.path.insert(1, os.getcwd())
-        config = load_config(GRPOJobConfig, args.config, args.overrides)
-        # One writer per run directory: a second run is refused here, before the start-up.
-        with job.lock_run_directory(config, rank=rank, job_id=_job_id(ranks)) as run_lock:
+        # One writer per run directory: a second run is refused here, from the run section
+        # alone, before torch and the rest of the config's modules are imported.
+        run = load_section(RunConfig, args.config, args.overrides, "run")
+        with lock_run_directory(run.output_dir, rank=rank, job_id=_job_id(ranks)) as run_lock:
+            from mcore_refit.grpo import job
+            from mcore_refit.grpo.config import GRPOJobConfig
+            from mcore_refit.logs import configure_logging
+
+            # A reward module the config names (task.reward: my_pkg.rewards:score) imports
+            # from the working directory, as under `python -m`: Python put this script's
+            # folder on the path, not the working directory. After that folder, before the
+            # installed packages.
+            if os.getcwd() not in sys.path:
+                sys.path.insert(1, os.getcwd())
+            config = load_config(GRPOJobConfig, args.config, args.overrides)
             job.validate_launch(config, world_size=world_size, resume=args.resume,
                                 local_world_size=ranks.local_world_size)
             configure_logging(rank=rank,

@@ -23,25 +23,12 @@ from mcore_refit.grpo.preflight import check_model_and_data
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 from mcore_refit.grpo.rundir import RunDirectory
-from mcore_refit.grpo.runlock import RunLock
 from mcore_refit.grpo.tasks import build_task
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.interrupts import StopSignals
 from mcore_refit.memory import gpu_capacities
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
-
-
-def lock_run_directory(config: GRPOJobConfig, *, rank: int, job_id: str) -> RunLock:
-    """``run.output_dir``'s lock (:mod:`~mcore_refit.grpo.runlock`): global rank 0 takes it, the
-    other ranks check it. Call on every rank first, before the start-up, so that a second run on
-    the directory is refused in seconds; global rank 0 holds it until it releases or exits."""
-    lock = RunLock(config.run.output_dir, job=job_id)
-    if rank == 0:
-        lock.acquire()
-    else:
-        lock.check()
-    return lock
 
 
 def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool,

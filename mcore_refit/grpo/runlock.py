@@ -141,6 +141,19 @@ class RunLock:
                 "run.output_dir")
 
 
+def lock_run_directory(output_dir: str | Path, *, rank: int, job_id: str) -> RunLock:
+    """``output_dir``'s lock for the launch ``job_id``: global rank 0 takes it, the other ranks
+    check it. Call on every rank first, before the start-up (torch need not be imported), so
+    that a second run on the directory is refused in seconds; global rank 0 holds it until it
+    releases or exits."""
+    lock = RunLock(output_dir, job=job_id)
+    if rank == 0:
+        lock.acquire()
+    else:
+        lock.check()
+    return lock
+
+
 def check_output_dir(directory: Path) -> None:
     """Refuse a ``run.output_dir`` that is not a directory (or cannot become one)."""
     for path in (directory, *directory.parents):
