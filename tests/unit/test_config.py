@@ -9,8 +9,16 @@ import pytest
 
 from mcore_refit.bench.config import RefitBenchJob
 from mcore_refit.compat import te_available
-from mcore_refit.config import ConfigError, ModelConfig, ParallelConfig, from_dict, load_config
+from mcore_refit.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    from_dict,
+    load_config,
+    load_section,
+)
 from mcore_refit.grpo.config import GRPOJobConfig, InferenceConfig, TaskConfig
+from mcore_refit.grpo.run_config import RunConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -342,3 +350,17 @@ def test_a_model_path_that_is_not_a_local_directory_needs_allow_hub(tmp_path, mo
     ModelConfig(hf_path="org/name", allow_hub=True).check_local()
     (tmp_path / "org" / "name").mkdir(parents=True)
     ModelConfig(hf_path="org/name").check_local()
+
+
+def test_one_section_reads_as_the_whole_config_reads_it(tmp_path):
+    """What the recipe locks before building the job's config: the same run section, overrides
+    applied, other sections (even wrong ones) left to the whole config's load."""
+    path = tmp_path / "job.yaml"
+    path.write_text("run: {output_dir: a, steps: 3}\npolicy: {no_such_key: 1}\n")
+    run = load_section(RunConfig, path, ["run.output_dir=b"], "run")
+    assert run == RunConfig(output_dir="b", steps=3)
+    assert load_section(RunConfig, None, [], "run") == RunConfig()
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'run.stpes'")):
+        load_section(RunConfig, path, ["run.stpes=1"], "run")
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'policy.no_such_key'")):
+        load_config(GRPOJobConfig, path)
