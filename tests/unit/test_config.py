@@ -363,4 +363,4 @@ def test_one_section_reads_as_the_whole_config_reads_it(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("unknown config key 'run.stpes'")):
         load_section(RunConfig, path, ["run.stpes=1"], "run")
     with pytest.raises(ConfigError, match=re.escape("unknown config key 'policy.no_such_key'")):
-        load_config(GRPOJobConfig, path)
+        load_config(GRPOJobConfig, path, ["model.hf_path=m"])
