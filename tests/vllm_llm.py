@@ -26,10 +26,12 @@ QWEN3_MOE = TinyModelSpec(architecture="qwen3_moe", num_layers=2, hidden_size=12
 def running_llm(path: str | Path) -> Iterator:
     """``vllm.LLM`` over the checkpoint at ``path``, refitted through the mcore_refit backend.
 
-    vLLM joins this process to a one-rank default process group; leaving, the engine's groups
-    are destroyed and the environment restored, so later tests in this process start clean.
+    vLLM joins this process to a one-rank default process group and writes a dozen variables
+    into its environment (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, a shared-memory buffer's name,
+    ...), which processes started later would inherit. Leaving, the engine's groups are
+    destroyed and the environment restored as it was, so later tests start clean.
     """
-    saved = {key: os.environ.get(key) for key in VLLM_ENV}
+    saved = dict(os.environ)
     os.environ.update(VLLM_ENV)
     try:
         from mcore_refit.bench.vllm import refittable_llm
@@ -43,8 +45,5 @@ def running_llm(path: str | Path) -> Iterator:
 
             cleanup_dist_env_and_memory()
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        os.environ.clear()
+        os.environ.update(saved)
