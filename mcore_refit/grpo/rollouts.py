@@ -187,8 +187,10 @@ class DedicatedRollouts:
                           if self._lead else None)
         # Planning reads every trainer rank's export layout: a collective over them.
         plan = plan_for_source(source, config=config.refit.plan, device=job.context.device)
-        if self._lead:
-            self._command({"op": "init"})
+        # An inference engine that failed to start is named on every trainer rank, with its
+        # cause, before the refit's set-up (which would otherwise only see the rank gone).
+        self._share_lead_outcome(Outcome.of(self._start_inference_ranks) if self._lead
+                                 else Outcome(ok=True), "start of the inference engines")
         sender = BroadcastSender(
             plan=plan, placement=job.placement, rank=job.context.rank,
             control=ControlGroup(job.refit_control, timeout_s=timeout_s,
@@ -264,6 +266,10 @@ class DedicatedRollouts:
         finally:
             self.refitter.close()
 
+    def _start_inference_ranks(self) -> None:
+        self._command({"op": "init"})
+        self._replies("the engine's start", timeout_s=self._config.collective_timeout_s)
+
     def _command(self, command: dict) -> None:
         self._commands.broadcast_json(command, src=0, what=f"the {command['op']} command")
 
@@ -290,15 +296,26 @@ class DedicatedRollouts:
 
 
 def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
-    """The inference ranks' loop: answer trainer rank 0's commands until it says stop."""
+    """The inference ranks' loop: answer trainer rank 0's commands until it says stop.
+
+    The engine starts first; its outcome is the reply to the first command (``init``), so an
+    engine that failed to start is reported to the trainers, then raised here.
+    """
     device = job.context.device
-    engine, endpoint = open_engine(
-        engine_spec(config, device=device, seed=config.run.seed + 1000 + job.context.rank),
-        device=device)
+    spec = engine_spec(config, device=device, seed=config.run.seed + 1000 + job.context.rank)
+    try:
+        engine, endpoint = open_engine(spec, device=device)
+        start_failure = None
+    except Exception as error:  # reported to trainer rank 0 at `init`, then raised
+        engine = endpoint = None
+        start_failure = error
     timeout_s, peers = config.collective_timeout_s, job.context.peers
     commands = ControlGroup(job.control_group, timeout_s=timeout_s,
                             name="the inference command group",
                             peers=_among(peers, _command_ranks(job)))
+    if start_failure is not None:
+        _report_start_failure(commands, start_failure)
+        raise start_failure
     shard, num_shards = job.context.rank, job.num_inference_ranks
     with endpoint:
         while True:
@@ -307,6 +324,8 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
             if op == "stop":
                 return
             if op == "init":
+                commands.all_gather_json(Outcome(ok=True).to_json(),
+                                         what="the engine start replies")
                 endpoint.init_weight_transfer_engine(BroadcastInitInfo(
                     placement=job.placement, receiver=job.context.rank,
                     control=ControlGroup(job.refit_control, timeout_s=timeout_s,
@@ -321,6 +340,15 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
                 commands.all_gather_json(reply.to_json(), what="the update_weights replies")
             else:
                 raise ValueError(f"unknown control command {op!r} from trainer rank 0")
+
+
+def _report_start_failure(commands: ControlGroup, error: Exception) -> None:
+    """Answer trainer rank 0's first command (``init``; ``stop`` when the trainers failed
+    first) with the engine's start failure."""
+    command = commands.broadcast_json(None, src=0, what="trainer rank 0's first command")
+    if command["op"] == "init":
+        commands.all_gather_json(Outcome.failed(error).to_json(),
+                                 what="the engine start replies")
 
 
 def engine_spec(config: GRPOJobConfig, *, device: torch.device, seed: int) -> EngineSpec:

@@ -60,3 +60,20 @@ def test_grpo_with_vllm_on_an_inference_rank_refits_by_broadcast(checkpoint, tmp
     rewards = [record["reward_mean"] for record in metrics(out)]
     assert len(rewards) == 15
     assert mean(rewards[-5:]) > mean(rewards[:5])
+
+
+@pytest.mark.timeout(600)
+def test_a_vllm_engine_that_fails_to_start_on_an_inference_rank_is_named_on_every_trainer_rank(
+        tmp_path):
+    # Head size 16: vLLM's CPU attention refuses it at the start-up forward.
+    narrow = write_tiny_checkpoint(tmp_path / "narrow", TinyModelSpec(num_layers=4))
+    result = run_torchrun(RECIPE, "--config", str(NON_COLOCATED), "inference.engine=vllm",
+                          f"model.hf_path={narrow}", f"run.output_dir={tmp_path / 'run'}",
+                          "run.steps=2", nproc=3, timeout_s=540, standalone=True,
+                          expect_failure=True)
+    named = ("RankFailure: start of the inference engines failed on trainer rank 0: RuntimeError: "
+             "inference rank 0 failed the engine's start: VllmStartError: vLLM's start-up forward "
+             f"failed on model.hf_path='{narrow}' (LlamaForCausalLM, 4 layers, hidden size 64, 4 "
+             "heads of head size 16, 2 KV heads): RuntimeError: Unsupported CPU attention "
+             "configuration: head_dim=16")
+    assert result.stderr.count(named) == 2, result.stderr[-8000:]  # trainer ranks 0 and 1
