@@ -77,6 +77,7 @@ class RefitBackend(WeightTransferEngine[RefitInitRequest, RefitUpdateRequest]):
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self._receiver: RefitReceiver | None = None
+        self._timeout_s = 0.0
         self.loader = VllmModelLoader(
             model=model, model_config=vllm_config.model_config, device=device,
             plan_of=lambda: self._receiver.plan if self._receiver is not None else None,
@@ -99,12 +100,13 @@ class RefitBackend(WeightTransferEngine[RefitInitRequest, RefitUpdateRequest]):
             receiver.close()
             raise
         self._receiver = receiver
+        self._timeout_s = init_info.options.timeout_s
 
     def start_weight_update(self) -> None:
         if self._receiver is None:
             raise RuntimeError("call init_weight_transfer_engine before start_weight_update")
         self.last_telemetry = None
-        self.loader.begin()
+        self.loader.begin(timeout_s=self._timeout_s)
 
     def receive_weights(self, update_info: RefitUpdateRequest) -> None:
         """Receive one refit (blocks until the trainer's refit completed, each wait bounded by
@@ -113,7 +115,7 @@ class RefitBackend(WeightTransferEngine[RefitInitRequest, RefitUpdateRequest]):
         try:
             telemetry = self._receiver.receive(self.loader)
         except BaseException:
-            self.loader.end()
+            self.loader.abandon()
             raise
         telemetry.held_bytes += self.loader.staging_bytes
         self.last_telemetry = telemetry
@@ -122,6 +124,7 @@ class RefitBackend(WeightTransferEngine[RefitInitRequest, RefitUpdateRequest]):
         self.loader.end()
 
     def shutdown(self) -> None:
+        self.loader.close()
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None

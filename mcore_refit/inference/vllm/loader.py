@@ -12,7 +12,9 @@ processing), having half-updated ``lm_head`` first.
 
 What the receiver hands over are views of transport slots (refilled right after), so every
 tensor is first copied into :class:`~mcore_refit.inference.vllm.staging.RefitStaging`, where
-pieces from tensor-parallel trainer ranks are assembled too; vLLM sees only staged tensors.
+pieces from tensor-parallel trainer ranks are assembled too; vLLM sees only staged tensors. The
+copy is all that happens in the receiver's loop: vLLM's load of the staged tensors runs on a
+:class:`~mcore_refit.inference.vllm.pipeline.LoadPipeline` thread while the next buffers arrive.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from mcore_refit.inference.vllm.pipeline import LoadPipeline
 from mcore_refit.inference.vllm.staging import RefitStaging
 from mcore_refit.inference.vllm.verification import ReferenceModel
 from mcore_refit.refit import RefitPlan
@@ -34,6 +37,8 @@ class VllmModelLoader:
     ``plan_of`` returns the receiver's current plan (known once the trainer sent it): the staging
     is allocated for it at the first refit and again only when the plan changes.
     ``reference`` builds the model that :meth:`check_loaded` compares with (verification only).
+    Tensors go into vLLM on a background thread, in arrival order; the refit's last buffer waits
+    for them (at most ``timeout_s`` of :meth:`begin`) and finishes the reload. Call :meth:`close`.
     """
 
     def __init__(self, *, model: torch.nn.Module, model_config, device: torch.device,
@@ -47,45 +52,57 @@ class VllmModelLoader:
         self._reference: ReferenceModel | None = None
         self._staging: RefitStaging | None = None
         self._reloading = False
-        # Seconds inside vLLM's loader in this refit (its layer processing included).
+        self._timeout_s = 0.0
+        self._pipeline = LoadPipeline(model.load_weights, device=self._device)
+        # This refit's seconds inside vLLM's loader (its layer processing and finalisation
+        # included), and those the last buffer waited for loads still running when it arrived.
         self.vllm_load_s = 0.0
+        self.vllm_wait_s = 0.0
 
     @property
     def staging_bytes(self) -> int:
         return self._staging.nbytes if self._staging is not None else 0
 
-    def begin(self) -> None:
-        """Start a refit: vLLM's layerwise reload takes over the model's weight loaders."""
+    def begin(self, *, timeout_s: float) -> None:
+        """Start a refit: vLLM's layerwise reload takes over the model's weight loaders.
+        ``timeout_s`` bounds the wait, after the last buffer, for vLLM's loads still running."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self._reloading:
             raise RuntimeError("a refit into this vLLM model is already open")
+        if self._pipeline.busy:
+            raise RuntimeError("vLLM's loader is still running the loads of a refit that timed "
+                               "out; the model cannot take another refit")
         initialize_layerwise_reload(self._model)
         self._reloading = True
-        self.vllm_load_s = 0.0
+        self._timeout_s = timeout_s
+        self._pipeline.reset_timing()
+        self.vllm_load_s = self.vllm_wait_s = 0.0
         if self._staging is not None:
             self._staging.begin()
 
     def end(self) -> None:
-        """Finish the layerwise reload (layers not completed while loading are processed now:
-        padded ones, attention; after a failed refit, untouched layers get their old weights
-        back). Idempotent."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        """Wait for vLLM's loads of this refit, then finish the layerwise reload (layers not
+        completed while loading are processed now: padded ones, attention; after a failed
+        refit, untouched layers get their old weights back). Raises what a load raised, after
+        finishing. Idempotent."""
+        self._finish(raise_failure=True)
 
-        if not self._reloading:
-            return
-        self._reloading = False
-        started = time.perf_counter()
-        finalize_layerwise_reload(self._model, self._model_config)
-        self.vllm_load_s += time.perf_counter() - started
+    def abandon(self) -> None:
+        """:meth:`end` for a refit that already failed: its loads' own failures are dropped."""
+        self._finish(raise_failure=False)
+
+    def close(self) -> None:
+        """Stop the loading thread. Idempotent."""
+        self._pipeline.close()
 
     # --- WeightLoader ----------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._into_vllm(self._staged().put(weights))
+        self._feed(self._staged().put(weights))
 
     def load_weight_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
-        self._into_vllm(self._staged().put_pieces(pieces))
+        self._feed(self._staged().put_pieces(pieces))
 
     def get_weight(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as it arrived in the last refit (the trainer's digests are
@@ -123,12 +140,34 @@ class VllmModelLoader:
             self._staging.begin()
         return self._staging
 
-    def _into_vllm(self, whole: list[tuple[str, torch.Tensor]]) -> None:
+    def _feed(self, whole: list[tuple[str, torch.Tensor]]) -> None:
+        """Staged tensors to vLLM (on the pipeline's thread); the slot they came from is free
+        once this returns: vLLM reads only the staging, which is not rewritten before the next
+        refit's :meth:`begin`."""
         if whole:
-            started = time.perf_counter()
-            self._model.load_weights(whole)
-            self.vllm_load_s += time.perf_counter() - started
+            self._pipeline.submit(whole)
         if self._staging.complete:
             # Every tensor arrived: finish now, so the engine computes with the new weights
             # (and a verification reads them) when the trainer's refit returns.
             self.end()
+
+    def _finish(self, *, raise_failure: bool) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self._reloading:
+            return
+        self._reloading = False
+        started = time.perf_counter()
+        failure = None
+        try:
+            self._pipeline.drain(timeout_s=self._timeout_s)
+        except TimeoutError:
+            raise  # a load still runs on the model: finalising now would race it
+        except Exception as error:
+            failure = error
+        self.vllm_wait_s = time.perf_counter() - started
+        finalized = time.perf_counter()
+        finalize_layerwise_reload(self._model, self._model_config)
+        self.vllm_load_s = self._pipeline.load_s + time.perf_counter() - finalized
+        if failure is not None and raise_failure:
+            raise failure

@@ -1,0 +1,136 @@
+"""vLLM's load of one buffer's tensors overlapped with the transport's receiving of the next.
+
+A refit's engine side is, per buffer: wait for its bytes, copy its tensors out of the slot (into
+the staging), hand them to vLLM's loader. vLLM's layerwise reload does its real work there — a
+layer whose weights have all arrived is rebuilt, processed (on CPU: repacked for oneDNN) and
+copied into the tensors the engine computes with — and done in the receiving loop, that work
+holds the next buffer back: the refit costs the transport *plus* vLLM's load. :class:`LoadPipeline`
+runs the loads on a thread of their own, one after another in arrival order, so the receiving
+loop returns to the wire (and frees the slot) as soon as a buffer is staged; the refit then costs
+about the larger of the two. vLLM's kernels release the GIL; its Python between them does not,
+which bounds the overlap on a busy host.
+
+On CUDA the loads are ordered after the staging copies by events (the thread's current stream
+waits for the caller's), and :meth:`LoadPipeline.drain` makes the caller's stream wait for the
+loads' work in turn, so whatever the caller does next (vLLM's finalisation, the next refit's
+staging copies into the same memory) comes after it on the device too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+Weights = Sequence[tuple[str, torch.Tensor]]
+
+
+class LoadPipeline:
+    """Runs ``load(weights)`` for every :meth:`submit` on one background thread, in order.
+
+    A load that raises stops the pipeline: later submissions are skipped and the failure is
+    raised, naming the tensors, by the next :meth:`submit` and by :meth:`drain`. ``device``:
+    where the loads run (the thread takes it as its current CUDA device). The thread starts at
+    the first :meth:`submit`; :meth:`close` stops it (a later submit starts another).
+    """
+
+    def __init__(self, load: Callable[[Weights], None], *, device: torch.device) -> None:
+        device = torch.device(device)
+        self._cuda = device.type == "cuda"
+        if self._cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        self._load = load
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._failure: BaseException | None = None
+        self._failed_on: tuple[str, str] | None = None
+        # Seconds spent inside ``load`` since the last reset_timing().
+        self.load_s = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """A submitted load has not returned yet."""
+        return any(not future.done() for future in self._pending)
+
+    def reset_timing(self) -> None:
+        self.load_s = 0.0
+
+    def submit(self, weights: Weights) -> None:
+        """Queue ``load(weights)`` after every earlier submission; raises the failure of an
+        earlier load instead, if one failed. The caller's device work so far (the copies that
+        filled ``weights``) is done before the load reads them."""
+        self._raise_failure()
+        staged = None
+        if self._cuda:
+            staged = torch.cuda.Event()
+            staged.record(torch.cuda.current_stream(self._device))
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-load",
+                                                initializer=self._init_thread)
+        self._pending.append(self._executor.submit(self._run, list(weights), staged))
+
+    def drain(self, *, timeout_s: float) -> None:
+        """Wait until every submitted load returned (``timeout_s`` in all: a
+        :class:`TimeoutError` naming it), then raise the first failure, if any. On CUDA the
+        caller's current stream then waits for the loads' device work."""
+        deadline = time.monotonic() + timeout_s
+        pending, self._pending = self._pending, []
+        for position, future in enumerate(pending):
+            try:
+                done = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                self._pending = pending[position:]
+                raise TimeoutError(f"vLLM's loader had not finished the refit's last buffers "
+                                   f"{timeout_s:.0f} s after they arrived "
+                                   f"({len(pending) - position} loads still queued or running)"
+                                   ) from None
+            if done is not None:
+                torch.cuda.current_stream(self._device).wait_event(done)
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Stop the thread (queued loads are dropped, a running one finishes). Idempotent."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._pending = []
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _init_thread(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self._device)
+
+    def _run(self, weights: list[tuple[str, torch.Tensor]],
+             staged: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        if self._failure is not None:
+            return None
+        started = time.perf_counter()
+        try:
+            if staged is not None:
+                torch.cuda.current_stream(self._device).wait_event(staged)
+            with torch.no_grad():
+                self._load(weights)
+            if not self._cuda:
+                return None
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self._device))
+            return done
+        except BaseException as error:
+            self._failure = error
+            self._failed_on = (weights[0][0], weights[-1][0]) if weights else ("", "")
+            return None
+        finally:
+            self.load_s += time.perf_counter() - started
+
+    def _raise_failure(self) -> None:
+        if self._failure is None:
+            return
+        error, (first, last) = self._failure, self._failed_on
+        self._failure, self._failed_on = None, None
+        raise RuntimeError(f"vLLM's loader failed on the tensors {first!r} .. {last!r} "
+                           f"({type(error).__name__}: {error})") from error

@@ -1,0 +1,73 @@
+"""LoadPipeline: vLLM's loads on a thread of their own, in arrival order, failures surfaced."""
+
+import threading
+
+import pytest
+import torch
+
+from mcore_refit.inference.vllm.pipeline import LoadPipeline
+
+CPU = torch.device("cpu")
+
+
+def test_vllm_pipeline_loads_in_order_off_the_callers_thread_and_drain_waits_for_all():
+    release = threading.Event()
+    loaded, threads = [], set()
+
+    def load(weights):
+        release.wait(10)  # held until the caller has submitted everything
+        threads.add(threading.get_ident())
+        loaded.extend(name for name, _ in weights)
+
+    pipeline = LoadPipeline(load, device=CPU)
+    try:
+        for index in range(5):
+            pipeline.submit([(f"w{index}a", torch.ones(1)), (f"w{index}b", torch.ones(1))])
+        assert loaded == [] and pipeline.busy  # submit returned before any load ran
+        release.set()
+        pipeline.drain(timeout_s=10)
+        assert loaded == [f"w{i}{p}" for i in range(5) for p in "ab"]
+        assert threads and threading.get_ident() not in threads
+        assert not pipeline.busy and pipeline.load_s > 0
+    finally:
+        pipeline.close()
+
+
+def test_vllm_pipeline_failure_skips_later_loads_and_is_raised_naming_the_tensors():
+    loaded = []
+
+    def load(weights):
+        if weights[0][0] == "bad":
+            raise ValueError("shape mismatch")
+        loaded.extend(name for name, _ in weights)
+
+    pipeline = LoadPipeline(load, device=CPU)
+    try:
+        pipeline.submit([("a", torch.ones(1))])
+        pipeline.submit([("bad", torch.ones(1)), ("worse", torch.ones(1))])
+        pipeline.submit([("c", torch.ones(1))])
+        with pytest.raises(RuntimeError, match=r"vLLM's loader failed on the tensors 'bad' .. "
+                                               r"'worse' \(ValueError: shape mismatch\)"):
+            pipeline.drain(timeout_s=10)
+        assert loaded == ["a"]  # 'c' came after the failure: skipped
+        pipeline.submit([("d", torch.ones(1))])  # the next refit loads again
+        pipeline.drain(timeout_s=10)
+        assert loaded == ["a", "d"]
+    finally:
+        pipeline.close()
+
+
+def test_vllm_pipeline_drain_is_bounded_and_names_what_is_still_running():
+    release = threading.Event()
+    pipeline = LoadPipeline(lambda weights: release.wait(10), device=CPU)
+    try:
+        pipeline.submit([("a", torch.ones(1))])
+        pipeline.submit([("b", torch.ones(1))])
+        with pytest.raises(TimeoutError, match=r"had not finished the refit's last buffers 0 s "
+                                               r"after they arrived \(2 loads still queued"):
+            pipeline.drain(timeout_s=0.05)
+        assert pipeline.busy
+    finally:
+        release.set()
+        pipeline.close()
+    assert not pipeline.busy
