@@ -95,29 +95,26 @@ class VllmBenchEngine:
 
     def load_floor(self, repetitions: int) -> tuple[list[float], int]:
         """Seconds of each of ``repetitions`` loads, by vLLM's loader, of the tensors the last
-        refit brought (as the refit loads them: layerwise reload, whole HF tensors; from
-        ``load_weights`` to the finished reload), and their bytes."""
+        refit brought (as the refit loads them: layerwise reload, whole HF tensors, on the
+        loading thread of the refit's own loader; from ``load_weights`` to the finished
+        reload), and their bytes. The thread matters on CPU: vLLM's worker binds its main
+        thread's OpenMP threads to cores, and on a busy host a bound and an unbound thread load
+        at different speeds; floor and refit load on the same one."""
 
         def load(worker) -> tuple[list[float], int]:
-            from vllm.model_executor.model_loader.reload import (
-                finalize_layerwise_reload,
-                initialize_layerwise_reload,
-            )
-
-            weights = worker.weight_transfer_engine.loader.staged_weights()
+            loader = worker.weight_transfer_engine.loader
+            weights = loader.staged_weights()
             if not weights:
                 raise RuntimeError("vllm_load_floor needs a refit mode before it (the floor "
                                    "loads the tensors the last refit brought)")
-            model = worker.model_runner.get_model()
             times = []
             for _ in range(repetitions):
                 # As in a refit, the reload is set up before the clock starts (a refit's engine
                 # does it in start_weight_update, before the trainer's refit begins).
-                initialize_layerwise_reload(model)
+                loader.begin(timeout_s=self.options.timeout_s)
                 _synchronize(worker.device)
                 started = time.perf_counter()
-                model.load_weights(weights)
-                finalize_layerwise_reload(model, worker.model_runner.model_config)
+                loader.load_from_memory(weights)
                 _synchronize(worker.device)
                 times.append(time.perf_counter() - started)
             return times, sum(tensor.nbytes for _, tensor in weights)

@@ -92,6 +92,16 @@ class VllmModelLoader:
         """:meth:`end` for a refit that already failed: its loads' own failures are dropped."""
         self._finish(raise_failure=False)
 
+    def load_from_memory(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load ``weights`` (whole HF tensors already in memory, e.g. :meth:`staged_weights`)
+        in one call and finish the reload, on the thread a refit's loads run on: vLLM's own
+        load of a refit's tensors, without the transport (the benchmark's floor). Call
+        :meth:`begin` first."""
+        if not self._reloading:
+            raise RuntimeError("call begin() before load_from_memory()")
+        self._pipeline.submit(weights)
+        self.end()
+
     def close(self) -> None:
         """Stop the loading thread. Idempotent."""
         self._pipeline.close()

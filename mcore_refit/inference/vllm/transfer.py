@@ -115,8 +115,12 @@ class VllmWeightTransfer:
         except BaseException:
             self._failed = True
             raise
-        self.last_telemetry = self._backend_state(lambda backend: backend.last_telemetry)
-        logger.info("refit %s", json.dumps(self.last_telemetry.as_dict()))
+        self.last_telemetry, vllm_load_s, vllm_wait_s = self._backend_state(
+            lambda backend: (backend.last_telemetry, backend.loader.vllm_load_s,
+                             backend.loader.vllm_wait_s))
+        # vLLM's own time in the refit, and how much of it came after the last buffer arrived.
+        logger.info("refit %s vllm_load_s=%.6f vllm_wait_s=%.6f",
+                    json.dumps(self.last_telemetry.as_dict()), vllm_load_s, vllm_wait_s)
         return self.last_telemetry
 
     def finish_weight_update(self, weight_version: int) -> None:
