@@ -1,6 +1,7 @@
 """LoadPipeline: vLLM's loads on a thread of their own, in arrival order, failures surfaced."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -34,9 +35,11 @@ def test_vllm_pipeline_loads_in_order_off_the_callers_thread_and_drain_waits_for
 
 
 def test_vllm_pipeline_failure_skips_later_loads_and_is_raised_naming_the_tensors():
+    release = threading.Event()
     loaded = []
 
     def load(weights):
+        release.wait(10)  # all three are queued before the first runs
         if weights[0][0] == "bad":
             raise ValueError("shape mismatch")
         loaded.extend(name for name, _ in weights)
@@ -46,10 +49,18 @@ def test_vllm_pipeline_failure_skips_later_loads_and_is_raised_naming_the_tensor
         pipeline.submit([("a", torch.ones(1))])
         pipeline.submit([("bad", torch.ones(1)), ("worse", torch.ones(1))])
         pipeline.submit([("c", torch.ones(1))])
+        release.set()
         with pytest.raises(RuntimeError, match=r"vLLM's loader failed on the tensors 'bad' .. "
                                                r"'worse' \(ValueError: shape mismatch\)"):
             pipeline.drain(timeout_s=10)
         assert loaded == ["a"]  # 'c' came after the failure: skipped
+        pipeline.submit([("bad", torch.ones(1))])
+        deadline = time.monotonic() + 10
+        while pipeline.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="failed on the tensors 'bad' .. 'bad'"):
+            pipeline.submit([("e", torch.ones(1))])  # raised by the next hand-over
+        pipeline.drain(timeout_s=10)  # raised once: nothing left to raise
         pipeline.submit([("d", torch.ones(1))])  # the next refit loads again
         pipeline.drain(timeout_s=10)
         assert loaded == ["a", "d"]
