@@ -19,8 +19,9 @@ Three independent concerns live here:
 4. The checkpoint writer's results queue (:func:`in_process_write_results`), active only around
    one synchronous save.
 
-Call :func:`install` once per process before importing ``megatron.bridge``, or import it with
-:func:`import_bridge`, which installs first (``mcore_refit.model`` does). Both are idempotent.
+Call :func:`install` once per process before importing ``megatron.bridge``, or get its
+``AutoBridge`` from :func:`import_auto_bridge`, which installs first (``mcore_refit.model`` does)
+and for a known architecture imports only that architecture's bridge. Both are idempotent.
 """
 
 from __future__ import annotations
@@ -89,15 +90,119 @@ def install() -> None:
             _installed.append("none")
 
 
-def import_bridge() -> types.ModuleType:
-    """``megatron.bridge``, imported after :func:`install`. What it prints while importing goes to
-    the log file, not the terminal: without transformer-engine its ``import_utils`` logs a failed
-    ``FP8GlobalStateManager`` import with the traceback, through a stderr handler it attaches to
-    its own logger (megatron-bridge 0.6.2, ``utils/import_utils.py:29-31``)."""
+# Megatron-Bridge's package ``__init__`` files (megatron/bridge/__init__.py and
+# megatron/bridge/models/__init__.py, megatron-bridge 0.6.2) import every bridge it ships, each with
+# its Hugging Face modeling module: ~2 s of CPU per process here, half of the bridge's import. A
+# bridge registers itself for its Hugging Face class when its module is imported, so for the
+# architectures below AutoBridge finds its bridge with only that module imported.
+_BRIDGE_MODULE_BY_ARCHITECTURE = {
+    "LlamaForCausalLM": "megatron.bridge.models.llama",
+    "MistralForCausalLM": "megatron.bridge.models.mistral",
+    "Qwen2ForCausalLM": "megatron.bridge.models.qwen",
+    "Qwen3ForCausalLM": "megatron.bridge.models.qwen",
+    "Qwen3MoeForCausalLM": "megatron.bridge.models.qwen",
+    "GemmaForCausalLM": "megatron.bridge.models.gemma",
+    "Gemma2ForCausalLM": "megatron.bridge.models.gemma",
+    "Gemma3ForCausalLM": "megatron.bridge.models.gemma",
+    "OlmoeForCausalLM": "megatron.bridge.models.olmoe",
+}
+_BRIDGE_PACKAGES = ("megatron.bridge.models", "megatron.bridge")  # innermost first
+_AUTO_BRIDGE_MODULE = "megatron.bridge.models.conversion.auto_bridge"
+
+
+def import_auto_bridge(architecture: str | None = None) -> type:
+    """Megatron-Bridge's ``AutoBridge``, imported after :func:`install`.
+
+    For an ``architecture`` (a Hugging Face class name, as in ``config.json``) listed in
+    ``_BRIDGE_MODULE_BY_ARCHITECTURE``, only ``AutoBridge`` and that architecture's bridge are
+    imported; the bridge packages' own ``__init__`` bodies run when a name they define is first
+    looked up (:class:`_DeferredPackageLoader`). Any other architecture, or none, imports all of
+    ``megatron.bridge``.
+
+    What it prints while importing goes to the log file, not the terminal: without
+    transformer-engine its ``import_utils`` logs a failed ``FP8GlobalStateManager`` import with the
+    traceback, through a stderr handler it attaches to its own logger (megatron-bridge 0.6.2,
+    ``utils/import_utils.py:29-31``).
+    """
     install()
+    bridge_module = _BRIDGE_MODULE_BY_ARCHITECTURE.get(architecture)
     with output_to_log("megatron.bridge"):
-        import megatron.bridge
-    return megatron.bridge
+        if bridge_module is None:
+            import megatron.bridge
+
+            _complete_deferred_packages()
+            return megatron.bridge.AutoBridge
+        if "megatron.bridge" not in sys.modules:
+            finder = _DeferredPackageFinder()
+            sys.meta_path.insert(0, finder)
+            try:
+                importlib.import_module("megatron.bridge")
+                importlib.import_module("megatron.bridge.models")
+            finally:
+                sys.meta_path.remove(finder)
+        importlib.import_module(bridge_module)
+        return importlib.import_module(_AUTO_BRIDGE_MODULE).AutoBridge
+
+
+class _DeferredPackageLoader(importlib.abc.Loader):
+    """Loads a package without running its ``__init__``; the body runs (as the package's real
+    loader would run it) when a name the package does not have yet is looked up on it."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def __getattr__(self, name):  # get_source, get_filename, get_resource_reader, ...
+        return getattr(self.loader, name)
+
+    def exec_module(self, module):
+        module.__deferred_loader__ = self.loader
+        module.__getattr__ = functools.partial(_attribute_after_init, module)
+
+
+def _attribute_after_init(module, name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    _complete_deferred_packages()
+    try:
+        return module.__dict__[name]
+    except KeyError:
+        raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}") from None
+
+
+def _complete_deferred_packages() -> None:
+    """Run the deferred ``__init__`` bodies, innermost package first (``megatron.bridge``'s body
+    imports ``megatron.bridge.models`` for its registrations)."""
+    for name in _BRIDGE_PACKAGES:
+        module = sys.modules.get(name)
+        loader = module.__dict__.pop("__deferred_loader__", None) if module else None
+        if loader is not None:
+            del module.__getattr__
+            with output_to_log("megatron.bridge"):
+                loader.exec_module(module)
+
+
+class _DeferredPackageFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _BRIDGE_PACKAGES:
+            return None
+        spec = _spec_from_the_other_finders(self, name, path, target)
+        if spec is not None:
+            spec.loader = _DeferredPackageLoader(spec.loader)
+        return spec
+
+
+def _spec_from_the_other_finders(finder_itself, name, path, target):
+    """The spec the import system would find for ``name`` without ``finder_itself``."""
+    for finder in sys.meta_path:
+        if finder is finder_itself or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(name, path, target)
+        if spec is not None:
+            return spec
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,14 +253,10 @@ class _LoraLayersFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name != _LORA_MODULE:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                spec.loader = _LoraLayersLoader(name, spec.origin)
-                return spec
-        return None
+        spec = _spec_from_the_other_finders(self, name, path, target)
+        if spec is not None:
+            spec.loader = _LoraLayersLoader(name, spec.origin)
+        return spec
 
 
 def _install_bridge_import_hook() -> None:

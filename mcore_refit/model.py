@@ -7,8 +7,10 @@ reaches for ``chunks[0]``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +51,16 @@ class ModelShape:
     pad_token_id: int | None
     # Experts per MoE layer; None for a dense model.
     num_experts: int | None = None
+
+
+def _declared_architecture(hf_path: str) -> str | None:
+    """The first entry of ``architectures`` in ``hf_path/config.json``, read before Megatron-Bridge
+    is imported (its import registers configuration classes ``AutoConfig`` may need)."""
+    try:
+        architectures = json.loads((Path(hf_path) / "config.json").read_text())["architectures"]
+        return architectures[0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None  # read_model_shape names the problem
 
 
 def read_model_shape(hf_path: str) -> ModelShape:
@@ -224,7 +236,8 @@ def build_model(model_config: ModelConfig, model_parallel: ModelParallel, *,
     """
     import torch.distributed as dist
 
-    AutoBridge = compat.import_bridge().AutoBridge  # noqa: N806 (a class)
+    AutoBridge = compat.import_auto_bridge(  # noqa: N806 (a class)
+        _declared_architecture(model_config.hf_path))
 
     parallel = model_parallel.parallel
     shape = read_model_shape(model_config.hf_path)

@@ -87,6 +87,45 @@ def test_install_after_bridge_import_is_an_error():
         "import mcore_refit before megatron.bridge")
 
 
+LAZY_BRIDGE_PROBE = r"""
+import json, sys
+from mcore_refit import compat
+
+def imported(name):
+    return name in sys.modules
+
+auto_bridge = compat.import_auto_bridge("Qwen3MoeForCausalLM")
+result = {
+    "qwen3_moe_bridge": imported("megatron.bridge.models.qwen.qwen3_moe_bridge"),
+    "llama_bridge": imported("megatron.bridge.models.llama.llama_bridge"),
+    "deepseek_bridge": imported("megatron.bridge.models.deepseek"),
+    "qwen3_moe_bridge_found": auto_bridge.supports(type("C", (), {
+        "architectures": ["Qwen3MoeForCausalLM"]})()),
+}
+import megatron.bridge  # a later plain import completes the packages on first use of a name
+result["same_class"] = megatron.bridge.AutoBridge is auto_bridge
+result["deepseek_after"] = imported("megatron.bridge.models.deepseek")
+result["lora_layers_after"] = imported("megatron.bridge.peft.lora_layers")
+from megatron.bridge.models import DeepSeekV3Bridge
+result["name_from_models"] = DeepSeekV3Bridge.__name__
+result["full_import_class"] = compat.import_auto_bridge("SomeOtherForCausalLM") is auto_bridge
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_a_known_architecture_imports_only_its_bridge_and_the_rest_on_first_use():
+    # Megatron-Bridge's package __init__ imports every bridge it ships (~2 s of CPU per process);
+    # for a listed architecture only AutoBridge and that bridge are imported, and the packages'
+    # own bodies still run, untouched, as soon as anything looks up a name they define.
+    assert run_probe(LAZY_BRIDGE_PROBE) == {
+        "qwen3_moe_bridge": True, "llama_bridge": False, "deepseek_bridge": False,
+        "qwen3_moe_bridge_found": True,
+        "same_class": True, "deepseek_after": True, "lora_layers_after": True,
+        "name_from_models": "DeepSeekV3Bridge", "full_import_class": True,
+    }
+
+
 def test_a_missing_megatron_bridge_names_the_install_command(monkeypatch):
     import importlib.util
 
