@@ -10,9 +10,10 @@ from pathlib import Path
 from mcore_refit.tiny import TinyModelSpec
 
 # vLLM in the calling process (so a refit's live process groups reach its worker), no usage
-# reports, no hub lookups.
+# reports, no hub lookups; vLLM's sampler helpers eager, as the GRPO recipe's CPU engines run
+# them (inference/vllm/engine.py), instead of a C++ build at the engine's start.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
-            "HF_HUB_OFFLINE": "1"}
+            "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"}
 
 # Head size 32: vLLM's CPU attention refuses 16 (the default tiny model's).
 LLAMA = TinyModelSpec(architecture="llama", num_layers=4, hidden_size=128, intermediate_size=256,
@@ -29,10 +30,15 @@ def running_llm(path: str | Path) -> Iterator:
     vLLM joins this process to a one-rank default process group and writes a dozen variables
     into its environment (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, a shared-memory buffer's name,
     ...), which processes started later would inherit. Leaving, the engine's groups are
-    destroyed and the environment restored as it was, so later tests start clean.
+    destroyed and the environment (with torch.compile's switch) restored as it was, so later
+    tests start clean.
     """
+    import torch._dynamo
+
     saved = dict(os.environ)
+    compile_disabled = torch._dynamo.config.disable  # read from the environment at its import
     os.environ.update(VLLM_ENV)
+    torch._dynamo.config.disable = True
     try:
         from mcore_refit.bench.vllm import refittable_llm
 
@@ -45,5 +51,6 @@ def running_llm(path: str | Path) -> Iterator:
 
             cleanup_dist_env_and_memory()
     finally:
+        torch._dynamo.config.disable = compile_disabled
         os.environ.clear()
         os.environ.update(saved)

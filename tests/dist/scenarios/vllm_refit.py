@@ -22,8 +22,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# vLLM's CPU environment as the GRPO recipe's engines get it (inference/vllm/engine.py), set
+# before torch is imported (engine processes inherit it); TORCH_COMPILE_DISABLE: vLLM's sampler
+# helpers run eagerly instead of costing a C++ build at each of the launch's engine starts.
 os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
-                   "HF_HUB_OFFLINE": "1"})
+                   "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"})
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
