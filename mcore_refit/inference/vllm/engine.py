@@ -150,12 +150,12 @@ as the process.
                  options: VllmOptions = VllmOptions()) -> None:
         self.device = torch.device(device)
         configure_environment(self.device)
-        from transformers import AutoTokenizer
-
         self.hf_path = hf_path
         if not (Path(hf_path) / "config.json").is_file():
             raise VllmStartError(f"model.hf_path={hf_path!r} has no config.json: not a Hugging "
                                  "Face checkpoint directory")
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(hf_path)
         self.pad_token_id = pad_token_id(self.tokenizer, where=hf_path)
         self._seeds = random.Random(seed)
