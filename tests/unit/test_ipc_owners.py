@@ -121,14 +121,16 @@ def test_a_reused_pid_is_not_the_process_that_died():
 
 
 # Sweeps ``directory`` without pause for ``seconds``; prints the names of what it removed.
+# Sweeps DIRECTORY over and over, printing what it removes, for at most SECONDS or until the
+# file STOP exists (checked between whole sweeps).
 _SWEEPER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from mcore_refit.refit.ipc_owners import sweep_stale_files
-    directory, seconds = Path(sys.argv[1]), float(sys.argv[2])
+    directory, seconds, stop = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
     print("ready", flush=True)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not stop.exists():
         for path in sweep_stale_files(directory):
             print(path.name, flush=True)
 """)
@@ -136,17 +138,20 @@ _SWEEPER = textwrap.dedent("""
 
 def test_a_sweep_racing_a_claim_never_removes_the_live_owners_record(tmp_path):
     """The claim is never visible unlocked: a sweep at any moment sees a live owner."""
-    sweeper = subprocess.Popen([sys.executable, "-c", _SWEEPER, str(tmp_path), "10"],
+    directory, stop = tmp_path / "ipc", tmp_path / "stop"
+    directory.mkdir()
+    sweeper = subprocess.Popen([sys.executable, "-c", _SWEEPER, str(directory), "10", str(stop)],
                                stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert sweeper.stdout.readline() == "ready\n"
     claims = 0
     while sweeper.poll() is None and claims < 1000:
-        record = claim_owner(tmp_path, "gpu-a")
+        record = claim_owner(directory, "gpu-a")
         assert record.path.exists()
         record.release()
         claims += 1
+    stop.touch()  # the race is over: the sweeper ends after its current sweep, not in 10 s
     removed, _ = sweeper.communicate()
     assert claims >= 300
     assert removed == "", f"the sweep removed a live claim's files: {removed.split()}"
-    assert names(tmp_path) == []
+    assert names(directory) == []
