@@ -169,6 +169,7 @@ TRAINER = """
 """
 
 
+@pytest.mark.slow  # a trainer interpreter that starts an engine process (torch in both)
 def test_an_engine_leaves_stop_signals_to_its_trainer_and_dies_with_it(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(textwrap.dedent(TRAINER))
