@@ -15,10 +15,12 @@ DENSE = ["tp1", "pp2_vpp2", "tp2"]
 MOE = ["moe_ep2"]
 
 
-def _run(tmp_path, *, nproc: int, placement: str, layouts: list[str], timeout_s: float) -> dict:
+def _run(tmp_path, *, nproc: int, placement: str, layouts: list[str], timeout_s: float,
+         ipc_dir: str | None = None) -> dict:
     out = tmp_path / "results.json"
     run_torchrun(SCENARIO, "--workdir", str(tmp_path), "--out", str(out), "--placement",
-                 placement, "--layouts", *layouts, nproc=nproc, timeout_s=timeout_s)
+                 placement, "--layouts", *layouts, *(["--ipc-dir", ipc_dir] if ipc_dir else []),
+                 nproc=nproc, timeout_s=timeout_s)
     results = json.loads(out.read_text())
     assert sorted(results) == sorted(layouts)
     return results
@@ -47,9 +49,11 @@ def test_vllm_refit_non_colocated_layouts(tmp_path, layouts):
 
 
 @pytest.mark.timeout(900)
-def test_vllm_refit_colocated_layouts(tmp_path):
+def test_vllm_refit_colocated_layouts(tmp_path, ipc_dir):
+    # The sockets under a short /tmp path: under tmp_path, pytest's numbered base directory and
+    # the launch's pid could push a socket's path past the ~100 characters a Unix socket allows.
     results = _run(tmp_path, nproc=2, placement="colocated", layouts=DENSE + MOE,
-                   timeout_s=880)
+                   timeout_s=880, ipc_dir=ipc_dir)
     _check(results, engine_ranks=["rank0", "rank1"])
     for ranks in results.values():
         for name in ("rank0", "rank1"):

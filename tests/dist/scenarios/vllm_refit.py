@@ -1,4 +1,5 @@
 """torchrun --nproc-per-node N vllm_refit.py --workdir DIR --out RESULTS.json --placement P
+                 [--ipc-dir SHORT_DIR]
                  --layouts NAME [NAME ...]
 
 Refits a tiny Megatron model, laid out as each named layout, into vLLM engines, twice per layout
@@ -74,6 +75,9 @@ NUM_REFITS = 2
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
+    # Colocated: the IPC transport's sockets, under a short path (a Unix socket's path has at
+    # most ~100 characters); default DIR/ipc.
+    parser.add_argument("--ipc-dir")
     parser.add_argument("--out", required=True)
     parser.add_argument("--placement", choices=["colocated", "non_colocated"], required=True)
     parser.add_argument("--layouts", nargs="+", required=True)
@@ -88,7 +92,7 @@ def main() -> None:
             rank=rank, world_size=world, local_rank=rank, num_inference_ranks=1,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
         context = job.context
-    results, engine = {}, Engine(workdir, rank=rank)
+    results, engine = {}, Engine(Path(args.ipc_dir or workdir / "ipc"), rank=rank)
     try:
         for name in args.layouts:
             checkpoint, parallel = LAYOUTS[name]
@@ -215,8 +219,8 @@ class Engine:
 
     _llm = None  # (path, vllm.LLM) of this process
 
-    def __init__(self, workdir: Path, *, rank: int) -> None:
-        self.options = dataclasses.replace(OPTIONS, ipc_dir=str(workdir / "ipc"))
+    def __init__(self, ipc_dir: Path, *, rank: int) -> None:
+        self.options = dataclasses.replace(OPTIONS, ipc_dir=str(ipc_dir))
         Path(self.options.ipc_dir).mkdir(parents=True, exist_ok=True)
         self.process: EngineProcess | None = None
         self.path: Path | None = None
