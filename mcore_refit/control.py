@@ -282,8 +282,8 @@ class ControlGroup:
                     work.wait(timeout=datetime.timedelta(seconds=max(step, 1e-3)))
                     return
                 except RuntimeError as error:
-                    text = str(error)
-                if not _is_timeout(text):
+                    text, expired = str(error), is_gloo_timeout(error)
+                if not expired:
                     self._raise_if_peer_died(what, grace_s=1.0)
                     raise ControlError(f"{what} failed on {self.name} (rank {self.rank} of "
                                        f"{self.size}); a peer died or closed the group: "
@@ -371,8 +371,14 @@ def is_consequential(error: BaseException) -> bool:
             or _BROKEN_CONNECTION.search(str(error)) is not None)
 
 
-def _is_timeout(text: str) -> bool:
-    return "timed out" in text.lower() or "timeout" in text.lower()
+def is_gloo_timeout(error: RuntimeError) -> bool:
+    """Whether ``Work.wait(timeout)`` on a gloo group raised because the wait expired.
+
+    torch raises a plain ``RuntimeError`` for both an expired wait and a broken peer, so its
+    text is the only evidence; this is the one place that reads it. Everything above raises
+    :class:`ControlTimeout` (or ``RefitTimeout``), recognised by type."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _broadcast_options(src: int) -> dist.BroadcastOptions:

@@ -25,8 +25,9 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture
 def ipc_dir():
-    """A private directory for the colocated transport's sockets and shared-memory slots."""
-    # Short parent path: Unix socket paths are limited to ~100 characters.
+    """A parent for the private IPC directory (sockets, shared-memory slots): short, since a
+    Unix socket path has at most ~100 characters and a GPU names its socket by a 36-character
+    UUID."""
     path = tempfile.mkdtemp(prefix="rf", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)

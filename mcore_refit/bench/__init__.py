@@ -17,7 +17,7 @@ then (``verify``) one refit compared with the source bit for bit:
 
 Layouts (:func:`~mcore_refit.bench.config.check_layout`): colocated (every rank trains and
 spawns its engine, :mod:`.colocated`), non-colocated (trainer ranks, then inference ranks,
-:mod:`.split`), and trainer-only (the export modes alone, with no engine on any device).
+:mod:`.non_colocated`), and trainer-only (the export modes alone, with no engine on any device).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from mcore_refit import distributed
 from mcore_refit.bench.colocated import ColocatedBench, run_colocated
 from mcore_refit.bench.config import BenchLayout, RefitBenchJob, check_layout
 from mcore_refit.bench.memory import check_bench_memory
+from mcore_refit.bench.non_colocated import NonColocatedBench, run_non_colocated
 from mcore_refit.bench.results import ModeResult, emit, summarize
 from mcore_refit.bench.sources import PRESETS, build_sources
-from mcore_refit.bench.split import SplitBench, run_split
 from mcore_refit.control import ControlGroup
 from mcore_refit.memory import gpu_capacities
+from mcore_refit.non_colocated import init_non_colocated_job
 
 __all__ = ["RefitBenchJob", "run_bench"]
 
@@ -53,23 +54,23 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
                            capacity_of=gpu_capacities())
     timeout_s = job.refit.transport.start_timeout_s + 60
     if layout.placement == "non_colocated":
-        split = distributed.init_split_job(
+        launch = init_non_colocated_job(
             rank=rank, world_size=world_size, local_rank=local_rank,
             num_inference_ranks=layout.num_inference_ranks,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             timeout_s=timeout_s,
             fanout="relay" if "relay" in (job.bench.fanouts or [job.refit.transport.fanout])
             else "broadcast")
-        context = split.context
+        context = launch.context
     else:
-        split = None
+        launch = None
         context = distributed.init_distributed(rank=rank, world_size=world_size,
                                                local_rank=local_rank, timeout_s=timeout_s)
     try:
         control_timeout = job.refit.transport.start_timeout_s
         trainers = ControlGroup(context.control_group, timeout_s=control_timeout,
                                 name="the trainer ranks' control group")
-        is_trainer = split is None or split.is_trainer
+        is_trainer = launch is None or launch.is_trainer
         sources = (trainers.run_everywhere("building the benchmark's sources", build_sources,
                                            job, device=context.device, control=trainers,
                                            who="trainer rank")
@@ -80,12 +81,12 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
                                                    device=context.device, sources=sources,
                                                    cpu_device_id=cpu_id))
         else:
-            control = (ControlGroup(split.refit_control, timeout_s=control_timeout,
+            control = (ControlGroup(launch.refit_control, timeout_s=control_timeout,
                                     name="the benchmark's control group")
-                       if split is not None else trainers)
-            results = run_split(SplitBench(job=job, split=split, control=control,
-                                           trainers=trainers, device=context.device,
-                                           sources=sources))
+                       if launch is not None else trainers)
+            results = run_non_colocated(NonColocatedBench(
+                job=job, launch=launch, control=control, trainers=trainers,
+                device=context.device, sources=sources))
     finally:
         distributed.shutdown()
     if results is None:

@@ -23,11 +23,18 @@ from mcore_refit.bench.sources import BenchSources
 from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
 from mcore_refit.control import ControlGroup, Outcome
 from mcore_refit.inference.process import EngineProcess
-from mcore_refit.refit import Refitter, TensorDictEngine, colocated_sender, plan_for_source
-from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.plan import plan_from_json
-from mcore_refit.refit.receiver import IpcInitInfo, WeightTransferEndpoint
-from mcore_refit.refit.streams import DeviceStreams
+from mcore_refit.refit import (
+    ColocatedInitInfo,
+    DeviceStreams,
+    Refitter,
+    TensorDictEngine,
+    TransportOptions,
+    WeightTransferEndpoint,
+    create_sender,
+    plan_for_source,
+    plan_from_json,
+    transport_for,
+)
 
 
 @dataclass
@@ -136,11 +143,11 @@ def _refit(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResul
     options = job.refit.transport
     if mode == "shared_weights":
         options = dataclasses.replace(options, ipc_sharing="weights")
-    sender = colocated_sender(plan=plan, device=bench.device, options=options,
-                              cpu_device_id=bench.cpu_device_id,
-                              trainers=dist.group.WORLD if several else None,
-                              control=trainers if several else None, rank=trainers.rank,
-                              peer_alive=engine.alive_problem)
+    sender = create_sender(transport_for("colocated", options), plan=plan, device=bench.device,
+                           options=options, cpu_device_id=bench.cpu_device_id,
+                           trainers=dist.group.WORLD if several else None,
+                           control=trainers if several else None, rank=trainers.rank,
+                           peer_alive=engine.alive_problem)
     timed, verified, error = [], None, None
     with Refitter(source=source, sender=sender) as refitter:
         engine.submit("receive", address=sender.address, num_refits=bench.num_refits(),
@@ -240,12 +247,13 @@ class BenchEngineServer:
         """``num_refits`` refits from the sender at ``address``; the receiver telemetry of the
         timed ones, and the error that ended them early (None if none did)."""
         if self.vllm is not None:
-            timed, error = self.vllm.receive(IpcInitInfo(address=address), num_refits=num_refits,
-                                             first_timed=first_timed, num_timed=num_timed)
+            timed, error = self.vllm.receive(ColocatedInitInfo(address=address),
+                                             num_refits=num_refits, first_timed=first_timed,
+                                             num_timed=num_timed)
             return {"telemetry": timed, "error": error}
         with WeightTransferEndpoint(engine=self.engine, device=self.device,
                                     options=self.options) as endpoint:
-            timed, error = receive_refits(endpoint, IpcInitInfo(address=address),
+            timed, error = receive_refits(endpoint, ColocatedInitInfo(address=address),
                                           num_refits=num_refits, first_timed=first_timed,
                                           num_timed=num_timed)
         return {"telemetry": timed, "error": error}

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 
 from mcore_refit.config import ConfigError, Dtype, LayerSpec, ParallelConfig
-from mcore_refit.refit.config import Fanout, RefitConfig
+from mcore_refit.refit import Fanout, RefitConfig
 
 Mode = Literal["raw_link", "naive", "single_buffer", "engine", "export_alone", "transport_alone",
                "bridge_export", "bridge_export_alone", "shared_weights", "vllm_load_floor"]

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from mcore_refit.bench.config import BRIDGE_MODES, RefitBenchJob, check_layout
 from mcore_refit.bench.sources import preset_config
 from mcore_refit.bench.synthetic import synthetic_specs
-from mcore_refit.distributed import split_job_device_index
 from mcore_refit.memory import (
     PROCESS_OVERHEAD_BYTES,
     GpuNeed,
@@ -26,7 +25,8 @@ from mcore_refit.memory import (
     place,
     slot_bytes,
 )
-from mcore_refit.refit.config import DEFAULT_SLOT_BYTES
+from mcore_refit.non_colocated import non_colocated_device_index
+from mcore_refit.refit import DEFAULT_SLOT_BYTES
 
 REMEDY = ("Use more GPUs, fewer layers (megatron.num_layers), or drop the mode that needs the "
           "extra copy")
@@ -76,8 +76,9 @@ def bench_needs(job: RefitBenchJob, *, world_size: int, num_gpus: int,
     trainers = layout.num_trainer_ranks
     if layout.placement == "non_colocated":
         def gpu_of(rank: int) -> int:
-            return split_job_device_index(rank=rank, local_rank=rank, local_world_size=world_size,
-                                          num_trainer_ranks=trainers, num_gpus=num_gpus)
+            return non_colocated_device_index(rank=rank, local_rank=rank,
+                                              local_world_size=world_size,
+                                              num_trainer_ranks=trainers, num_gpus=num_gpus)
     else:
         def gpu_of(rank: int) -> int:
             return rank

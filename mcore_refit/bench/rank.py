@@ -14,9 +14,7 @@ from mcore_refit.bench.config import RefitBenchJob
 from mcore_refit.bench.results import ModeResult
 from mcore_refit.bench.sources import BenchSources, export_pass
 from mcore_refit.control import ControlGroup
-from mcore_refit.refit import RefitError, plan_for_source
-from mcore_refit.refit.config import PlanConfig
-from mcore_refit.refit.streams import DeviceStreams
+from mcore_refit.refit import DeviceStreams, PlanConfig, RefitError, plan_for_source
 
 
 @dataclass

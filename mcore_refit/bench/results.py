@@ -12,7 +12,7 @@ from typing import Any
 
 from mcore_refit.bench.config import TargetsConfig
 from mcore_refit.control import Outcome, is_consequential
-from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit import RefitTelemetry
 
 PHASES = ("export_s", "pack_s", "transfer_s", "load_s", "wait_s", "checksum_s")
 

@@ -16,9 +16,15 @@ from mcore_refit.bench.synthetic import SyntheticWeightSource, synthetic_specs
 from mcore_refit.config import ModelConfig
 from mcore_refit.control import ControlGroup
 from mcore_refit.model import build_model
-from mcore_refit.refit.export import BridgeExport, ModelExport
-from mcore_refit.refit.plan import PlannedBuffer, RefitPlan
-from mcore_refit.refit.source import LocalSource, RefitSource, SourceLayout
+from mcore_refit.refit import (
+    LocalSource,
+    ModelExport,
+    PlannedBuffer,
+    RefitPlan,
+    RefitSource,
+    SourceLayout,
+    TensorSpec,
+)
 
 # Hugging Face config fields of the preset architectures (random weights need no files).
 PRESETS = {
@@ -194,3 +200,49 @@ def export_pass(source: RefitSource, plan: RefitPlan, *, rank: int, timeout_s: f
         if buffer.source == rank:
             for _ in range(buffer.num_tensors):
                 next(own)
+
+
+class BridgeExport:
+    """Megatron-Bridge's own export as a refit source: the baseline.
+
+    Every trainer rank yields every full tensor (Bridge's pipeline broadcast and tensor-parallel
+    all-gather per tensor); trainer rank 0 is the source of every buffer and the other trainer
+    ranks read the export in step with it (in ``exchange``). The refit benchmark measures it as
+    ``bridge_export``; its specs come from one export pass. ``control`` is a gloo group over the
+    trainer ranks.
+    """
+
+    def __init__(self, model, *, control: ControlGroup) -> None:
+        self._model = model
+        self._control = control
+        self._rank = control.rank
+        self._specs: list[TensorSpec] | None = None
+
+    def layout(self) -> SourceLayout:
+        if self._specs is None:
+            self._specs = [TensorSpec.of(name, tensor)
+                           for name, tensor in self._model.export_hf_weights()]
+        return SourceLayout(specs=list(self._specs), sources=[0] * len(self._specs))
+
+    def begin(self, plan: RefitPlan) -> _BridgePass:
+        """One export pass (collective over the trainer ranks); Bridge's conversion tasks are
+        built again when any rank replaced a parameter object."""
+        replaced = self._control.any_true(self._model.parameters_replaced(),
+                                          what="whether a trainer rank replaced a parameter")
+        return _BridgePass(self._model.export_hf_weights(rebuild=replaced), rank=self._rank)
+
+
+class _BridgePass:
+    stable_tensors = False
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]], *, rank: int) -> None:
+        self._stream = stream
+        self._rank = rank
+
+    def exchange(self, buffer: PlannedBuffer, *, timeout_s: float) -> None:
+        if self._rank != buffer.source:
+            for _ in range(buffer.num_tensors):
+                next(self._stream)
+
+    def own_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._stream if self._rank == 0 else iter(())

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from mcore_refit.refit.plan import TensorSpec
+from mcore_refit.refit import TensorSpec
 
 SYNTHETIC_SETS = ("dense_8b", "moe_30b_a3b", "tiny")
 

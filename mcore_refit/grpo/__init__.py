@@ -10,7 +10,7 @@ Above the core (model, pipeline, policy, refit, inference), which never imports 
 - ``protocol.py``  the ``Rollouts`` protocol: the only calls the loop makes to where rollouts come
                    from (generate, release, refit, close);
 - ``rollouts.py``  its two backends: engines colocated with the trainer ranks, or dedicated
-                   inference ranks of a split job;
+                   inference ranks of a non-colocated job;
 - ``seeds.py``     per-step sampling seeds derived from ``run.seed`` (bit-identical resume);
 - ``metrics.py``   metrics.jsonl, TensorBoard, optional wandb, the resolved config.yaml;
 - ``console.py``   the terminal: one progress bar and a summary line every N steps;

@@ -8,11 +8,19 @@ from typing import Literal
 from mcore_refit.config import ConfigError, Dtype, ModelConfig, ParallelConfig
 from mcore_refit.grpo.rewards import resolve_reward
 from mcore_refit.grpo.run_config import RunConfig
-from mcore_refit.grpo.tasks import Operation, check_arithmetic_settings, template_fields
+from mcore_refit.grpo.tasks import (
+    ArithmeticTask,
+    JsonlTask,
+    Operation,
+    Task,
+    check_arithmetic_settings,
+    dress_prompts,
+    template_fields,
+)
 from mcore_refit.inference.engine import SamplingConfig
 from mcore_refit.inference.vllm.engine import VLLM_TOP_P_PROBLEM, VllmOptions
 from mcore_refit.policy.config import PolicyConfig
-from mcore_refit.refit.config import RefitConfig
+from mcore_refit.refit import RefitConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +67,20 @@ class TaskConfig:
                 resolve_reward(self.reward)
             except ValueError as error:
                 raise ConfigError(f"`reward`: {error}") from None
+
+    def build(self, *, seed: int, hf_path: str) -> Task:
+        """The task this config describes, seeded, its prompts dressed as configured (the
+        tokenizer at ``hf_path`` is read only when ``chat_template`` is set)."""
+        task: Task
+        if self.kind == "jsonl":
+            task = JsonlTask(path=self.path, seed=seed, prompt_key=self.prompt_key,
+                             answer_key=self.answer_key)
+        else:
+            task = ArithmeticTask(seed=seed, num_digits=self.num_digits, operation=self.operation,
+                                  modulo=self.modulo, max_operand=self.max_operand,
+                                  min_operand=self.min_operand)
+        return dress_prompts(task, template=self.prompt_template,
+                             chat_template=self.chat_template, hf_path=hf_path)
 
 
 @dataclass(frozen=True, kw_only=True)

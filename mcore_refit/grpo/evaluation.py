@@ -13,7 +13,7 @@ from mcore_refit.config import ConfigError
 from mcore_refit.grpo.callbacks import CallbackWatchdog
 from mcore_refit.grpo.config import EvalConfig, GRPOJobConfig
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
-from mcore_refit.grpo.tasks import Problem, build_task, load_jsonl_problems
+from mcore_refit.grpo.tasks import Problem, load_jsonl_problems
 
 # A few of each evaluation's completions (prompt, completion, reward) go to the metrics and the
 # terminal under this key.
@@ -73,7 +73,7 @@ class Evaluator:
 
 def draw_eval_set(config: EvalConfig, *, seed: int, hf_path: str) -> list[Problem]:
     """The fixed list of validation problems ``config`` describes."""
-    task = build_task(config, seed=seed, hf_path=hf_path)
+    task = config.build(seed=seed, hf_path=hf_path)
     if config.kind != "jsonl":
         return task.sample(config.num_problems)
     rows = len(load_jsonl_problems(config.path, prompt_key=config.prompt_key,

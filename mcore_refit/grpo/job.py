@@ -23,10 +23,10 @@ from mcore_refit.grpo.preflight import check_model_and_data
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
 from mcore_refit.grpo.rundir import RunDirectory
-from mcore_refit.grpo.tasks import build_task
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.interrupts import StopSignals
 from mcore_refit.memory import gpu_capacities
+from mcore_refit.non_colocated import init_non_colocated_job
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
 
@@ -73,7 +73,7 @@ def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool,
                           local_world_size=local_world_size or world_size, num_gpus=num_gpus,
                           capacity_of=capacity_of)
     try:
-        build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
+        config.task.build(seed=config.run.seed, hf_path=config.model.hf_path)
     except (OSError, ValueError) as error:
         raise ConfigError(f"`task`: {error}") from None
     if config.eval is not None:
@@ -144,13 +144,13 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
                       store_port: int, stops: StopSignals | None = None) -> dict | None:
     """The last ``inference.num_ranks`` ranks serve inference; the others train and refit them
     (``stops`` as in :func:`run_colocated`)."""
-    job = distributed.init_split_job(rank=rank, world_size=world_size, local_rank=local_rank,
-                                     local_world_size=local_world_size,
-                                     num_inference_ranks=config.inference.num_ranks,
-                                     store_host=store_host, store_port=store_port,
-                                     timeout_s=config.collective_timeout_s,
-                                     liveness_s=config.refit.transport.liveness_s,
-                                     fanout=config.refit.transport.fanout)
+    job = init_non_colocated_job(rank=rank, world_size=world_size, local_rank=local_rank,
+                                 local_world_size=local_world_size,
+                                 num_inference_ranks=config.inference.num_ranks,
+                                 store_host=store_host, store_port=store_port,
+                                 timeout_s=config.collective_timeout_s,
+                                 liveness_s=config.refit.transport.liveness_s,
+                                 fanout=config.refit.transport.fanout)
     if stops is not None:
         stops.watch(job.context.peers)
     failed = True

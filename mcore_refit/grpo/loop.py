@@ -34,7 +34,7 @@ from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rewards import resolve_reward, score_completions
 from mcore_refit.grpo.rundir import RunDirectory, RunState
 from mcore_refit.grpo.seeds import derive_seed
-from mcore_refit.grpo.tasks import Problem, RewardFunction, build_task, excerpt
+from mcore_refit.grpo.tasks import Problem, RewardFunction, excerpt
 from mcore_refit.inference.engine import Completion
 from mcore_refit.numerics import NonFiniteError, first_non_finite
 from mcore_refit.policy.worker import Policy
@@ -67,7 +67,7 @@ def run_grpo(config: GRPOJobConfig, *, policy: Policy, rollouts: Rollouts, pad_t
     starts_over = state is None and bool(run_dir.leftovers())
     if starts_over and is_logging_rank:
         _start_over(run_dir, resume=resume)
-    task = build_task(config.task, seed=config.run.seed, hf_path=config.model.hf_path)
+    task = config.task.build(seed=config.run.seed, hf_path=config.model.hf_path)
     # The task's state is a function of its seed and the problems drawn: replaying the draws
     # of the steps done restores it exactly.
     task.sample(start_step * config.grpo.prompts_per_step)

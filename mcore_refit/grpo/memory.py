@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from mcore_refit.distributed import colocated_device_index, split_job_device_index
+from mcore_refit.distributed import colocated_device_index
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.memory import (
     PROCESS_OVERHEAD_BYTES,
@@ -26,7 +26,8 @@ from mcore_refit.memory import (
     slot_bytes,
     trainer_state_bytes,
 )
-from mcore_refit.refit.config import DEFAULT_SLOT_BYTES
+from mcore_refit.non_colocated import non_colocated_device_index
+from mcore_refit.refit import DEFAULT_SLOT_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def grpo_needs(config: GRPOJobConfig, *, world_size: int, local_world_size: int,
         if colocated:
             return colocated_device_index(local_rank=local, local_world_size=local_world_size,
                                           num_gpus=num_gpus)
-        return split_job_device_index(rank=rank, local_rank=local,
+        return non_colocated_device_index(rank=rank, local_rank=local,
                                       local_world_size=local_world_size,
                                       num_trainer_ranks=trainers, num_gpus=num_gpus)
 

@@ -20,7 +20,7 @@ from mcore_refit.config import save_config, to_dict
 from mcore_refit.files import writing
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.evaluation import SAMPLES_KEY
-from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit import RefitTelemetry
 
 logger = logging.getLogger(__name__)
 

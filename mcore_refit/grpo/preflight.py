@@ -16,7 +16,7 @@ from mcore_refit.config import ConfigError
 from mcore_refit.files import CorruptFile, check_checkpoint_directory
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.evaluation import EVAL_SEED_OFFSET, draw_eval_set
-from mcore_refit.grpo.tasks import Problem, build_task, excerpt, load_jsonl_problems
+from mcore_refit.grpo.tasks import Problem, excerpt, load_jsonl_problems
 
 # Problems of a generated (arithmetic) task measured at start-up; the engine checks every prompt.
 GENERATED_SAMPLE = 256
@@ -72,7 +72,7 @@ def check_model_and_data(config: GRPOJobConfig) -> None:
 def _prompt_sets(config: GRPOJobConfig) -> list[tuple[str, Sequence[Problem]]]:
     """The prompts of ``task`` (every line of a jsonl file, else a sample) and of ``eval``."""
     task_config = config.task
-    task = build_task(task_config, seed=config.run.seed, hf_path=config.model.hf_path)
+    task = task_config.build(seed=config.run.seed, hf_path=config.model.hf_path)
     count = (len(load_jsonl_problems(task_config.path, prompt_key=task_config.prompt_key,
                                      answer_key=task_config.answer_key))
              if task_config.kind == "jsonl" else GENERATED_SAMPLE)

@@ -11,7 +11,7 @@ calls our engine side mirrors (``init_weight_transfer_engine``, ``start_weight_u
 :meth:`Rollouts.generate` and returns :class:`~mcore_refit.inference.engine.Completion` objects
 with the sampler's per-token logprobs; :meth:`Rollouts.refit` drives a
 :class:`~mcore_refit.refit.Refitter` whose sender speaks the server's weight-transfer protocol
-(for example a :class:`~mcore_refit.refit.BroadcastSender` over a process group the server
+(for example a :class:`~mcore_refit.refit.NonColocatedSender` over a process group the server
 joins in ``init_weight_transfer_engine``) and returns the sender's
 :class:`~mcore_refit.refit.telemetry.RefitTelemetry`; :meth:`Rollouts.release` asks the server
 to sleep (or does nothing on dedicated GPUs).
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from mcore_refit.inference.engine import Completion, SamplingConfig
-from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit import RefitTelemetry
 
 
 class Rollouts(Protocol):

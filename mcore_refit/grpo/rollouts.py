@@ -8,8 +8,8 @@ and gets the same completions, or the same error naming the rank where it starte
 - :class:`ColocatedRollouts`: every trainer rank spawns an engine process on its own device and
   refits it over ZMQ + CUDA IPC (shared memory on CPU); prompts are split over trainer ranks;
 - :class:`DedicatedRollouts`: trainer rank 0 drives the inference ranks of a
-  :class:`~mcore_refit.distributed.SplitJob` with JSON commands, and every trainer rank sends the
-  buffers it exports to them; :func:`serve_inference` is the inference ranks' side.
+  :class:`~mcore_refit.non_colocated.NonColocatedJob` with JSON commands, and every trainer rank
+  sends the buffers it exports to them; :func:`serve_inference` is the inference ranks' side.
 
 Every wait for a peer is on the host, over the control plane (:mod:`mcore_refit.control`,
 gloo), never inside an NCCL collective: a waiting kernel would time-slice with the engine that
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.control import ControlError, ControlGroup, Outcome, RankFailure
-from mcore_refit.distributed import DistributedContext, SplitJob
+from mcore_refit.distributed import DistributedContext
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.seeds import derive_seed
 from mcore_refit.inference.engine import Completion, SamplingConfig
@@ -48,17 +48,18 @@ from mcore_refit.inference.process import (
     open_engine,
     receive_weight_update,
 )
+from mcore_refit.non_colocated import NonColocatedJob
 from mcore_refit.refit import (
-    BroadcastInitInfo,
-    BroadcastSender,
+    NonColocatedInitInfo,
+    RefitError,
+    RefitPlan,
+    RefitSource,
+    RefitTelemetry,
     Refitter,
-    colocated_sender,
+    create_sender,
     plan_for_source,
+    transport_for,
 )
-from mcore_refit.refit.plan import RefitPlan
-from mcore_refit.refit.source import RefitSource
-from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError
 
 
 class ColocatedRollouts:
@@ -102,16 +103,18 @@ class ColocatedRollouts:
         # socket needs a per-rank identity.
         cpu_device_id = f"{job_id}-rank{context.rank}" if context.device.type == "cpu" else None
         several = context.world_size > 1
-        sender = colocated_sender(plan=plan, device=context.device,
-                                  options=self._config.refit.transport,
-                                  cpu_device_id=cpu_device_id,
-                                  trainers=dist.group.WORLD if several else None,
-                                  control=self._trainers if several else None, rank=context.rank,
-                                  peer_alive=self.engine.alive_problem)
+        options = self._config.refit.transport
+        sender = create_sender(transport_for("colocated", options), plan=plan,
+                               device=context.device, options=options,
+                               cpu_device_id=cpu_device_id,
+                               trainers=dist.group.WORLD if several else None,
+                               control=self._trainers if several else None, rank=context.rank,
+                               peer_alive=self.engine.alive_problem)
         self.refitter = Refitter(source=source, sender=sender)
         # The engine connects while the trainer prepares: send first, collect the reply after.
         self.engine.submit("init_weight_transfer_engine",
-                           init_info={"transport": "ipc", "address": sender.address})
+                           init_info={"transport": sender.transport_name,
+                                      "address": sender.address})
         self.refitter.prepare()
         self.engine.wait("init_weight_transfer_engine")
 
@@ -173,7 +176,7 @@ class DedicatedRollouts:
     """Trainer side of a non-colocated job: trainer rank 0 drives the inference ranks, and every
     trainer rank sends the refit buffers it exports."""
 
-    def __init__(self, *, config: GRPOJobConfig, job: SplitJob, source: RefitSource) -> None:
+    def __init__(self, *, config: GRPOJobConfig, job: NonColocatedJob, source: RefitSource) -> None:
         self._job = job
         self._config = config
         self._lead = job.context.rank == 0
@@ -191,7 +194,8 @@ class DedicatedRollouts:
         # cause, before the refit's set-up (which would otherwise only see the rank gone).
         self._share_lead_outcome(Outcome.of(self._start_inference_ranks) if self._lead
                                  else Outcome(ok=True), "start of the inference engines")
-        sender = BroadcastSender(
+        sender = create_sender(
+            transport_for("non_colocated", config.refit.transport),
             plan=plan, placement=job.placement, rank=job.context.rank,
             control=ControlGroup(job.refit_control, timeout_s=timeout_s,
                                  name="the refit control group", peers=peers),
@@ -295,7 +299,7 @@ class DedicatedRollouts:
         return shared.value
 
 
-def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
+def serve_inference(*, config: GRPOJobConfig, job: NonColocatedJob) -> None:
     """The inference ranks' loop: answer trainer rank 0's commands until it says stop.
 
     The engine starts first; its outcome is the reply to the first command (``init``), so an
@@ -326,7 +330,7 @@ def serve_inference(*, config: GRPOJobConfig, job: SplitJob) -> None:
             if op == "init":
                 commands.all_gather_json(Outcome(ok=True).to_json(),
                                          what="the engine start replies")
-                endpoint.init_weight_transfer_engine(BroadcastInitInfo(
+                endpoint.init_weight_transfer_engine(NonColocatedInitInfo(
                     placement=job.placement, receiver=job.context.rank,
                     control=ControlGroup(job.refit_control, timeout_s=timeout_s,
                                          name="the refit control group", peers=peers),
@@ -359,7 +363,7 @@ def engine_spec(config: GRPOJobConfig, *, device: torch.device, seed: int) -> En
                       engine=config.inference.engine, vllm=config.inference.vllm)
 
 
-def _command_ranks(job: SplitJob) -> list[int]:
+def _command_ranks(job: NonColocatedJob) -> list[int]:
     """The job ranks of the inference command group: trainer rank 0 and the inference ranks."""
     return [0, *range(job.num_trainer_ranks, job.num_trainer_ranks + job.num_inference_ranks)]
 

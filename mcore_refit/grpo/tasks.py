@@ -3,9 +3,10 @@
 A task is an endless, seeded source of :class:`Problem` batches; a reward function
 (:mod:`mcore_refit.grpo.rewards`) scores one completion against its problem. The built-in
 :class:`ArithmeticTask` is generated from a seed (no data to ship); :class:`JsonlTask` reads users'
-own JSON lines, with the prompt and answer under keys of their choice. :func:`build_task` makes
-either from the config and dresses its prompts (``task.prompt_template``, then the tokenizer's
-chat template when ``task.chat_template`` is set).
+own JSON lines, with the prompt and answer under keys of their choice. :meth:`TaskConfig.build
+<mcore_refit.grpo.config.TaskConfig.build>` makes either from the config and dresses its prompts
+(:func:`dress_prompts`: ``task.prompt_template``, then the tokenizer's chat template when
+``task.chat_template`` is set).
 """
 
 from __future__ import annotations
@@ -17,12 +18,9 @@ import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from mcore_refit.config import ConfigError
-
-if TYPE_CHECKING:
-    from mcore_refit.grpo.config import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -208,24 +206,14 @@ class PromptedTask:
                 for p in self._task.sample(num_problems)]
 
 
-def build_task(config: TaskConfig, *, seed: int, hf_path: str) -> Task:
-    """The task ``config`` describes, its prompts dressed as configured.
-
-    The tokenizer at ``hf_path`` is read only when ``config.chat_template`` is set; a tokenizer
-    without a chat template is a ``ValueError`` then.
-    """
-    task: Task
-    if config.kind == "jsonl":
-        task = JsonlTask(path=config.path, seed=seed, prompt_key=config.prompt_key,
-                         answer_key=config.answer_key)
-    else:
-        task = ArithmeticTask(seed=seed, num_digits=config.num_digits,
-                              operation=config.operation, modulo=config.modulo,
-                              max_operand=config.max_operand, min_operand=config.min_operand)
-    if config.prompt_template is None and not config.chat_template:
+def dress_prompts(task: Task, *, template: str | None, chat_template: bool,
+                  hf_path: str) -> Task:
+    """``task`` with its prompts put through ``template`` (a ``str.format`` template over
+    ``{prompt}`` and the problem's record) and, with ``chat_template``, the tokenizer's chat
+    template at ``hf_path`` (read only then; a tokenizer without one is a ``ValueError``)."""
+    if template is None and not chat_template:
         return task
-    chat = _chat_formatter(hf_path) if config.chat_template else None
-    template = config.prompt_template
+    chat = _chat_formatter(hf_path) if chat_template else None
 
     def format_prompt(problem: Problem) -> str:
         text = problem.prompt

@@ -24,7 +24,7 @@ import torch
 from mcore_refit.config import ConfigError
 from mcore_refit.hf_experts import loading_options
 from mcore_refit.logs import output_to_log
-from mcore_refit.refit.engines import HFModelEngine
+from mcore_refit.refit import HFModelEngine
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,9 +40,7 @@ from mcore_refit.logs import (
     logging_arguments,
 )
 from mcore_refit.processes import ProcessIdentity
-from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.receiver import WeightTransferEndpoint
-from mcore_refit.refit.transport import RefitError
+from mcore_refit.refit import RefitError, TransportOptions, WeightTransferEndpoint
 
 
 class EngineError(RuntimeError):

@@ -37,7 +37,7 @@ from mcore_refit.policy.optim import (
 )
 from mcore_refit.policy.packing import PackingPlan, pack_for_layout
 from mcore_refit.policy.reference import ReferenceWeights
-from mcore_refit.refit.export import ModelExport
+from mcore_refit.refit import ModelExport
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,60 +1,92 @@
 """The refit engine: move exported weights into an inference engine, fast and checked.
 
-Layers, top to bottom (a reader finds the right file from this list):
-
-- ``refitter.py``     trainer entry point: plan for a source, refit through a sender;
-- ``receiver.py``     engine entry point with vLLM's weight-transfer call names;
-- ``export.py``       the Megatron model as a source: each rank exports what it holds (and
-                      Megatron-Bridge's own export, the baseline);
-- ``broadcast.py``    non-colocated transport: each buffer from its source trainer rank to the
-                      inference ranks (a broadcast group per source; IPC on a shared device);
-- ``ipc_sender.py``, ``ipc_receiver.py``  colocated transport (ZMQ REQ/REP + CUDA IPC / shared
-                      memory), ``ipc_memory.py`` its private directory and buffer sharing,
-                      ``wire.py`` its typed messages;
-- ``producer.py``     filling a source rank's buffers (pack, header, checksum, digests);
-- ``rounds.py``       the start and finish exchanges of every refit, over the control plane;
-- ``group.py``        bounded device collectives over one process group;
-- ``buffers.py``      persistent slots, headers, pack/unpack;
-- ``plan.py``         the pure layout (tensors, buffers, sources, slots) and its fingerprint;
-- ``source.py``       the source protocols (one-rank weight sources, sharded sources);
-- ``checksum.py``     exact buffer checksums and per-tensor digests (verification);
-- ``telemetry.py``, ``streams.py``, ``transport.py`` (base classes and errors), ``config.py``;
-- ``engines.py``      reference engines (HF model, tensor dict).
+This module is the package's front: code outside ``mcore_refit/refit/`` imports from here only
+(a lint rule enforces it). The map of the modules behind it is in ``README.md``.
 """
 
-from mcore_refit.refit.broadcast import BroadcastReceiver, BroadcastSender
-from mcore_refit.refit.config import PlanConfig, RefitConfig, TransportOptions
-from mcore_refit.refit.engines import HFModelEngine, NamedTensorEngine, TensorDictEngine
-from mcore_refit.refit.ipc_receiver import IpcReceiver
-from mcore_refit.refit.ipc_sender import IpcSender
-from mcore_refit.refit.ipc_shared import SharedWeightsSender, colocated_sender
-from mcore_refit.refit.plan import RefitPlan, TensorSpec, build_plan, plan_from_json
-from mcore_refit.refit.receiver import (
-    BroadcastInitInfo,
-    IpcInitInfo,
+from mcore_refit.refit.buffers import StreamedSlots
+from mcore_refit.refit.checksum import (
+    DigestRecorder,
+    TensorDigester,
+    mismatched_names,
+    verify_engine_weights,
+)
+from mcore_refit.refit.config import (
+    DEFAULT_SLOT_BYTES,
+    Fanout,
+    PlanConfig,
+    RefitConfig,
+    TransportOptions,
+)
+from mcore_refit.refit.endpoint import (
+    ColocatedInitInfo,
+    NonColocatedInitInfo,
     WeightTransferEndpoint,
     init_info_from_dict,
 )
+from mcore_refit.refit.engines import (
+    HFModelEngine,
+    NamedTensorEngine,
+    TensorDictEngine,
+    WeightLoader,
+)
+from mcore_refit.refit.errors import RefitError, RefitTimeout
+from mcore_refit.refit.export import ModelExport
+from mcore_refit.refit.plan import PlannedBuffer, RefitPlan, build_plan, plan_from_json
 from mcore_refit.refit.refitter import Refitter, plan_for_source
-from mcore_refit.refit.source import LocalSource, RefitSource, WeightSource
+from mcore_refit.refit.source import (
+    LocalSource,
+    Piecewise,
+    RefitPass,
+    RefitSource,
+    SourceLayout,
+    WeightSource,
+)
+from mcore_refit.refit.specs import Region, TensorSpec, spec_from_json, spec_to_json
+from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError, RefitReceiver, RefitSender, RefitTimeout
+from mcore_refit.refit.transports import (
+    create_receiver,
+    create_sender,
+    receiver_class,
+    register_transport,
+    sender_class,
+    transport_for,
+    transport_names,
+)
+from mcore_refit.refit.transports.base import RefitReceiver, RefitSender
+from mcore_refit.refit.transports.collectives import GroupCollectives
+from mcore_refit.refit.transports.colocated.receiver import ColocatedReceiver
+from mcore_refit.refit.transports.colocated.sender import ColocatedSender
+from mcore_refit.refit.transports.colocated.shared_weights import SharedWeightsSender
+from mcore_refit.refit.transports.non_colocated.placement import Placement
+from mcore_refit.refit.transports.non_colocated.receiver import NonColocatedReceiver
+from mcore_refit.refit.transports.non_colocated.sender import NonColocatedSender
 
 __all__ = [
-    "BroadcastInitInfo",
-    "BroadcastReceiver",
-    "BroadcastSender",
+    "DEFAULT_SLOT_BYTES",
+    "ColocatedInitInfo",
+    "ColocatedReceiver",
+    "ColocatedSender",
+    "DeviceMemoryProbe",
+    "DeviceStreams",
+    "DigestRecorder",
+    "Fanout",
+    "GroupCollectives",
     "HFModelEngine",
-    "IpcInitInfo",
-    "IpcReceiver",
-    "IpcSender",
-    "SharedWeightsSender",
-    "colocated_sender",
     "LocalSource",
+    "ModelExport",
     "NamedTensorEngine",
+    "NonColocatedInitInfo",
+    "NonColocatedReceiver",
+    "NonColocatedSender",
+    "Piecewise",
+    "Placement",
     "PlanConfig",
+    "PlannedBuffer",
     "RefitConfig",
     "RefitError",
+    "RefitPass",
     "RefitPlan",
     "RefitReceiver",
     "RefitSender",
@@ -62,13 +94,30 @@ __all__ = [
     "RefitTelemetry",
     "RefitTimeout",
     "Refitter",
+    "Region",
+    "SharedWeightsSender",
+    "SourceLayout",
+    "StreamedSlots",
     "TensorDictEngine",
+    "TensorDigester",
     "TensorSpec",
     "TransportOptions",
+    "WeightLoader",
     "WeightSource",
     "WeightTransferEndpoint",
     "build_plan",
+    "create_receiver",
+    "create_sender",
     "init_info_from_dict",
+    "mismatched_names",
     "plan_for_source",
     "plan_from_json",
+    "receiver_class",
+    "register_transport",
+    "sender_class",
+    "spec_from_json",
+    "spec_to_json",
+    "transport_for",
+    "transport_names",
+    "verify_engine_weights",
 ]

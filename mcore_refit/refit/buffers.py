@@ -14,15 +14,17 @@ checksum in-band.
 from __future__ import annotations
 
 import enum
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mcore_refit.refit.checksum import buffer_checksum
-from mcore_refit.refit.plan import HEADER_BYTES, PlannedTensor, RefitPlan, TensorSpec
-from mcore_refit.refit.source import Piecewise
+from mcore_refit.refit.errors import RefitError
+from mcore_refit.refit.plan import HEADER_BYTES, RefitPlan
+from mcore_refit.refit.source import Piecewise, SourceReader
+from mcore_refit.refit.specs import TensorSpec
+from mcore_refit.refit.streams import DeviceStreams
 
 # "MCREFIT1" as a little-endian int64.
 HEADER_MAGIC = int.from_bytes(b"MCREFIT1", "little")
@@ -101,19 +103,37 @@ class BufferHeader:
             )
 
 
+def check_buffer(header_words: Sequence[int], *, plan: RefitPlan, buffer_index: int,
+                 refit_index: int, checksum: int | None) -> None:
+    """Raise :class:`RefitError` unless the received ``header_words`` say buffer ``buffer_index``
+    of ``refit_index`` arrived whole and may be loaded; ``checksum`` is the payload's sum as
+    received (None: checksums off)."""
+    try:
+        header = BufferHeader.from_words(header_words)
+        if header.status == BufferStatus.ABORTED:
+            raise RefitError(f"buffer {buffer_index}: its source aborted the refit")
+        header.check_expected(plan=plan, refit_index=refit_index, buffer_index=buffer_index)
+    except ValueError as error:
+        raise RefitError(f"buffer {buffer_index}: {error}") from None
+    if checksum is not None and header.checksum != checksum:
+        names = plan.buffer_names(buffer_index)
+        raise RefitError(f"checksum mismatch in buffer {buffer_index}: sent {header.checksum}, "
+                         f"received {checksum} (tensors {names[0]!r} .. {names[-1]!r})")
+
+
 class BufferSlots:
     """One persistent ``uint8`` tensor per plan slot, plus precomputed views into them.
 
     A buffer sits in slot ``buffer.slot`` on its source and in ``buffer.receiver_slot`` on ranks
-    all buffers pass through (``receiver=True``: every trainer rank of a colocated refit, and the
-    engine that maps its slots); ``slot_map`` (buffer index → slot) overrides both for a receiver
-    that numbers its slots itself. Allocate with :meth:`allocate` (zero-filled, so alignment
-    padding is always zero and checksums over whole buffers agree on both sides) or wrap tensors
-    mapped from another process.
+    every buffer passes through (``all_buffers=True``: every trainer rank of a colocated refit,
+    and the engine that maps its slots); ``slot_map`` (buffer index → slot) overrides both for a
+    receiver that numbers its slots itself. Allocate with :meth:`allocate` (zero-filled, so
+    alignment padding is always zero and checksums over whole buffers agree on both sides) or
+    wrap tensors mapped from another process.
     """
 
     def __init__(self, *, plan: RefitPlan, slots: Sequence[torch.Tensor],
-                 receiver: bool = False, slot_map: Sequence[int] | None = None) -> None:
+                 all_buffers: bool = False, slot_map: Sequence[int] | None = None) -> None:
         if len(slots) != plan.num_held_slots:
             raise ValueError(f"plan needs {plan.num_held_slots} slots, got {len(slots)}")
         for index, slot in enumerate(slots):
@@ -126,7 +146,7 @@ class BufferSlots:
                 )
         self.plan = plan
         self._slot_map = (list(slot_map) if slot_map is not None else
-                          [b.receiver_slot if receiver else b.slot for b in plan.buffers])
+                          [b.receiver_slot if all_buffers else b.slot for b in plan.buffers])
         self.slots: list[torch.Tensor] = list(slots)
         self.device = self.slots[0].device
         self._views: list[list[torch.Tensor] | None] = [None] * plan.num_buffers
@@ -135,12 +155,12 @@ class BufferSlots:
         self._groups: list[list[list[int]] | None] = [None] * plan.num_buffers
 
     @classmethod
-    def allocate(cls, plan: RefitPlan, device: torch.device, *, receiver: bool = False,
+    def allocate(cls, plan: RefitPlan, device: torch.device, *, all_buffers: bool = False,
                  slot_map: Sequence[int] | None = None) -> BufferSlots:
         """Allocate the plan's slots on ``device`` (the only allocation a transport makes)."""
         slots = [torch.zeros(plan.slot_capacity(s), dtype=torch.uint8, device=device)
                  for s in range(plan.num_held_slots)]
-        return cls(plan=plan, slots=slots, receiver=receiver, slot_map=slot_map)
+        return cls(plan=plan, slots=slots, all_buffers=all_buffers, slot_map=slot_map)
 
     @property
     def held_bytes(self) -> int:
@@ -182,7 +202,7 @@ class BufferSlots:
 
     def entries(self, buffer_index: int) -> list[tuple[TensorSpec, torch.Tensor]]:
         """``(spec, view)`` of every tensor or piece in the buffer, as handed to the engine
-        (:func:`~mcore_refit.refit.transport.load_into`; cached)."""
+        (:func:`~mcore_refit.refit.engines.load_into`; cached)."""
         entries = self._entries[buffer_index]
         if entries is None:
             buffer = self.plan.buffers[buffer_index]
@@ -260,60 +280,17 @@ class BufferSlots:
         return groups
 
 
-class SourceReader:
-    """Pulls a plan's tensors from a weight iterator in plan order, checking each one.
+class StreamedSlots:
+    """A side's slots with a CUDA stream and events per slot (streams and events are None on
+    CPU): ``released`` is recorded after a slot's last local use (a pack or a load), ``moved``
+    once its bytes left or arrived."""
 
-    Raises ``ValueError`` naming the first tensor that differs from the plan in name, shape or
-    dtype, or the point where the source ended early. ``export_s`` accumulates the time spent
-    inside the source (the export).
-    """
-
-    def __init__(self, plan: RefitPlan, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self._plan = plan
-        self._weights = weights
-        self.export_s = 0.0
-
-    def next_tensor(self, planned: PlannedTensor) -> torch.Tensor:
-        start = time.perf_counter()
-        item = next(self._weights, None)
-        self.export_s += time.perf_counter() - start
-        spec = planned.spec
-        if item is None:
-            raise ValueError(
-                f"the weight source ended before {spec.name!r} (position {planned.index} of the "
-                f"refit plan's {self._plan.num_tensors} tensors)"
-            )
-        name, tensor = item
-        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-            raise ValueError(
-                f"the weight source yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} at "
-                f"position {planned.index}, the refit plan expects {spec.label!r} {spec.shape} "
-                f"{spec.dtype}; rebuild the plan when the model changes"
-            )
-        return tensor
-
-    def skip(self, planned: Sequence[PlannedTensor]) -> None:
-        """Read and drop the source's next tensors for ``planned`` (after a failure, so that
-        ranks reading a collective source in step are not left waiting)."""
-        try:
-            for _ in planned:
-                if next(self._weights, None) is None:
-                    return
-        except Exception:
-            pass  # the source itself failed: that error is already the refit's failure
-
-    def extra(self) -> str | None:
-        """The name of a tensor the source yields beyond the plan, if any."""
-        item = next(self._weights, None)
-        return None if item is None else item[0]
-
-    def drain(self) -> None:
-        """Consume the rest, so trainer ranks exporting in lockstep do not hang."""
-        try:
-            for _ in self._weights:
-                pass
-        except Exception:
-            pass  # the source itself failed: that error is already the refit's failure
+    def __init__(self, slots: BufferSlots, streams: DeviceStreams) -> None:
+        self.slots = slots
+        count = slots.plan.num_held_slots
+        self.streams = [streams.new_stream() for _ in range(count)]
+        self.released = [streams.new_event() for _ in range(count)]
+        self.moved = [streams.new_event() for _ in range(count)]
 
 
 def _typed_view(slot: torch.Tensor, offset: int, shape: tuple[int, ...],

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from mcore_refit.refit.plan import TensorSpec
+from mcore_refit.refit.specs import TensorSpec
 
 DIGEST_WORDS = 3
 
@@ -89,6 +89,15 @@ class DigestRecorder:
         if len(self.rows) == num_tensors and num_tensors:
             table.copy_(torch.stack(self.rows))
         return table
+
+
+def digest_table(rank_rows: Sequence[Sequence[Sequence[int]]], *, num_tensors: int) -> torch.Tensor:
+    """The ``[num_tensors, 3]`` table of every rank's ``[plan position, d0, d1, d2]`` rows
+    (:meth:`~mcore_refit.refit.producer.BufferProducer.digest_rows`, gathered), on the CPU."""
+    table = torch.zeros(num_tensors, DIGEST_WORDS, dtype=torch.int64)
+    for index, *digest in (row for rows in rank_rows for row in rows):
+        table[index] = torch.tensor(digest, dtype=torch.int64)
+    return table
 
 
 def mismatched_names(names: Sequence[str], expected: torch.Tensor,

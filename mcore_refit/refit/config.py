@@ -90,11 +90,13 @@ class TransportOptions:
     ipc_dir: str | None = None
     # Colocated: what the engine maps. buffers = slots the trainer packs the weights into;
     # weights = the trainer's own tensors, read in place (one copy, no slots; needs one trainer
-    # rank per engine and a source of resident tensors, see mcore_refit/refit/ipc_shared.py).
+    # rank per engine and a source of resident tensors, see
+    # mcore_refit/refit/transports/colocated/shared_weights.py).
     ipc_sharing: IpcSharing = "buffers"
     # Non-colocated: how a buffer reaches the inference ranks on other devices. broadcast = one
     # collective over the source and all of them; relay = to one of them (in turn), which
-    # forwards it to the others, each over its own two-rank link (mcore_refit/refit/fanout.py).
+    # forwards it to the others, each over its own two-rank link
+    # (mcore_refit/refit/transports/non_colocated/fanout.py).
     fanout: Fanout = "broadcast"
     # Record peak device memory per refit (resets the device's peak-memory counter each refit).
     track_peak_memory: bool = True

@@ -1,4 +1,7 @@
-"""Reference inference-engine adapters: copy received weights into named tensors.
+"""What a receiving engine must provide (:class:`WeightLoader`), and reference engines.
+
+Transports hand every received buffer to the engine with :func:`load_into`: whole tensors through
+``load_weights``, tensor-parallel pieces through ``load_weight_pieces``.
 
 :class:`NamedTensorEngine` is the ``load_weights`` / ``get_weight`` convention over a mapping of
 name → tensor. :class:`HFModelEngine` applies it to a Hugging Face ``transformers`` model (its
@@ -10,11 +13,47 @@ experts under their per-expert checkpoint names);
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
 from mcore_refit.hf_experts import ExpertSlice, expert_slices
-from mcore_refit.refit.plan import Region, TensorSpec
+from mcore_refit.refit.errors import RefitError
+from mcore_refit.refit.specs import Region, TensorSpec
+
+
+class WeightLoader(Protocol):
+    """What an inference engine needs for a refit (the vLLM / HF ``load_weights`` convention).
+
+    Tensors are views into a transport buffer, valid only during the call: copy, never keep a
+    reference. Trainers with tensor parallelism send a sharded tensor in pieces, one from each
+    rank that holds a shard; those arrive through ``load_weight_pieces``.
+    """
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each whole ``(name, tensor)`` into the engine's weights."""
+        ...
+
+    def load_weight_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
+        """Copy each ``(name, piece, region)`` into its region of the named weight."""
+        ...
+
+
+def load_into(engine: WeightLoader, entries: Sequence[tuple[TensorSpec, torch.Tensor]]) -> None:
+    """Hand one buffer's tensors to ``engine``: whole ones through ``load_weights``, pieces
+    through ``load_weight_pieces``."""
+    wholes = [(spec.name, view) for spec, view in entries if spec.region is None]
+    pieces = [(spec.name, view, spec.region) for spec, view in entries
+              if spec.region is not None]
+    if wholes:
+        engine.load_weights(wholes)
+    if pieces:
+        load_pieces = getattr(engine, "load_weight_pieces", None)
+        if load_pieces is None:
+            raise RefitError(f"the engine ({type(engine).__name__}) has no load_weight_pieces, "
+                             f"but the trainer sends {pieces[0][0]!r} in pieces (tensor "
+                             "parallelism): add it, or refit from an engine that assembles them")
+        load_pieces(pieces)
 
 
 class NamedTensorEngine:

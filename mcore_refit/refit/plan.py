@@ -37,60 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
+from mcore_refit.refit.specs import TensorSpec, spec_from_json, spec_to_json
 
 PLAN_FORMAT_VERSION = 2
 # Bytes reserved at the start of every buffer for the transport's header (see buffers.py).
 HEADER_BYTES = 64
-
-
-@dataclass(frozen=True)
-class Region:
-    """Where a piece sits in its named tensor: ``[start, start + piece.shape[dim])`` along ``dim``,
-    whose full size there is ``full`` (the other dimensions are whole)."""
-
-    dim: int
-    start: int
-    full: int
-
-    def narrow(self, tensor: torch.Tensor, length: int) -> torch.Tensor:
-        """The piece's place in ``tensor`` (the whole named tensor)."""
-        return tensor.narrow(self.dim, self.start, length)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, shape and dtype of one exported tensor, or of a piece of it (``region``: a rank
-    that holds a tensor-parallel shard sends the piece it holds)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    region: Region | None = None
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for dim in self.shape:
-            n *= dim
-        return n
-
-    @property
-    def num_bytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def label(self) -> str:
-        """The name, with the piece's place when it is a piece (for messages)."""
-        if self.region is None:
-            return self.name
-        region = self.region
-        return (f"{self.name}[dim {region.dim}: {region.start}:"
-                f"{region.start + self.shape[region.dim]} of {region.full}]")
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name=name, shape=tuple(tensor.shape), dtype=tensor.dtype)
 
 
 @dataclass(frozen=True)
@@ -306,17 +257,6 @@ def plan_from_json(text: str) -> RefitPlan:
     return plan
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
-    return dtype
-
-
 # One source's buffers before interleaving: [(spec, offset)], wire bytes, oversized.
 _Chunk = tuple[list[tuple[TensorSpec, int]], int, bool]
 
@@ -391,18 +331,6 @@ def _check_layout_args(*, slot_bytes: int, num_slots: int, alignment_bytes: int,
             f"slot_bytes={slot_bytes} must be a multiple of alignment_bytes={alignment_bytes} "
             f"and larger than the {header_bytes}-byte header"
         )
-
-
-def spec_to_json(spec: TensorSpec) -> list:
-    region = spec.region
-    return [spec.name, list(spec.shape), dtype_name(spec.dtype),
-            None if region is None else [region.dim, region.start, region.full]]
-
-
-def spec_from_json(data: list) -> TensorSpec:
-    name, shape, dtype, region = data
-    return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype_from_name(dtype),
-                      region=None if region is None else Region(*(int(v) for v in region)))
 
 
 def _check_specs(specs: Sequence[TensorSpec]) -> None:

@@ -10,14 +10,14 @@ exchange then raises the failure on every rank.
 from __future__ import annotations
 
 import time
-import traceback
 
 import torch
 
-from mcore_refit.refit.buffers import BufferSlots, BufferStatus, SourceReader, write_header
+from mcore_refit.refit.buffers import BufferSlots, BufferStatus, write_header
 from mcore_refit.refit.checksum import DigestRecorder
+from mcore_refit.refit.errors import RefitError, failed
 from mcore_refit.refit.plan import PlannedBuffer, RefitPlan
-from mcore_refit.refit.source import RefitPass
+from mcore_refit.refit.source import RefitPass, SourceReader
 from mcore_refit.refit.streams import DeviceStreams
 from mcore_refit.refit.telemetry import RefitTelemetry
 
@@ -40,14 +40,14 @@ class BufferProducer:
         self.digests = DigestRecorder(streams.device) if verify else None
         # Plan positions of the tensors digested so far (this rank's, in order).
         self._digested: list[int] = []
-        self.failure: str | None = None
+        self.failure: RefitError | None = None
 
     def exchange(self, buffer: PlannedBuffer, *, timeout_s: float) -> None:
         """This rank's part in the source's exchange for ``buffer`` (every rank, every buffer)."""
         try:
             self._pass.exchange(buffer, timeout_s=timeout_s)
-        except Exception:
-            self._fail(f"preparing buffer {buffer.index}: {traceback.format_exc()}")
+        except Exception as error:
+            self._fail(failed(f"preparing buffer {buffer.index}", error))
 
     def produce(self, buffer: PlannedBuffer, *, refit_index: int) -> BufferStatus:
         """Pack ``buffer`` (this rank is its source) and write its header; its status."""
@@ -60,8 +60,8 @@ class BufferProducer:
                 self._slots.pack_from(buffer.index, self._reader,
                                       batched=self._pass.stable_tensors, observe=self.digests)
                 self._digested.extend(t.index for t in self._plan.tensors_of(buffer))
-            except Exception:
-                self._fail(f"packing buffer {buffer.index}: {traceback.format_exc()}")
+            except Exception as error:
+                self._fail(failed(f"packing buffer {buffer.index}", error))
         else:
             self._reader.skip(self._plan.tensors_of(buffer))
         status = BufferStatus.OK if self.failure is None else BufferStatus.ABORTED
@@ -74,13 +74,14 @@ class BufferProducer:
         telemetry.export_s = self._reader.export_s
         return status
 
-    def finish(self) -> str | None:
+    def finish(self) -> RefitError | None:
         """After the last buffer: the failure, if any (including a source with extra tensors)."""
         if self.failure is None:
             extra = self._reader.extra()
             if extra is not None:
-                self._fail(f"the weight source yielded more than the plan's tensors (next: "
-                           f"{extra!r}); rebuild the plan when the model changes")
+                self._fail(RefitError(f"the weight source yielded more than the plan's tensors "
+                                      f"(next: {extra!r}); rebuild the plan when the model "
+                                      "changes"))
         if self.digests is not None:
             self._telemetry.verify_s += self.digests.seconds
         return self.failure
@@ -92,6 +93,7 @@ class BufferProducer:
         table = torch.stack(self.digests.rows).cpu().tolist()
         return [[index, *row] for index, row in zip(self._digested, table, strict=True)]
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, error: RefitError) -> None:
+        """Record the rank's first failure (the refit goes on, so no peer waits alone)."""
         if self.failure is None:
-            self.failure = reason
+            self.failure = error

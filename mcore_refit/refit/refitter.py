@@ -1,7 +1,7 @@
 """Trainer side of refits: a source, a plan, a transport.
 
     plan = plan_for_source(source, config=config.refit.plan, device=device)   # collective
-    sender = BroadcastSender(plan=plan, ...) or IpcSender(plan=plan, ...)
+    sender = NonColocatedSender(plan=plan, ...) or ColocatedSender(plan=plan, ...)
     with Refitter(source=source, sender=sender) as refitter:
         refitter.prepare()
         for step in ...:
@@ -20,7 +20,7 @@ from mcore_refit.refit.config import PlanConfig
 from mcore_refit.refit.plan import RefitPlan, build_plan
 from mcore_refit.refit.source import RefitSource
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitSender
+from mcore_refit.refit.transports.base import RefitSender
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Refitter:
         """Export, pack and send the weights once; with ``verify``, check the engine's copy.
 
         Collective over the trainer ranks (and, for the broadcast transport, the inference
-        ranks). Raises :class:`~mcore_refit.refit.transport.RefitError` if any rank failed.
+        ranks). Raises :class:`~mcore_refit.refit.errors.RefitError` if any rank failed.
         """
         refit_index = self._num_refits
         self._num_refits += 1

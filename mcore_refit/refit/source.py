@@ -14,18 +14,20 @@ Per refit, :meth:`RefitSource.begin` gives a :class:`RefitPass`: every trainer r
 ``exchange(buffer)`` for every buffer of the plan in plan order, and a buffer's source rank pulls
 the buffer's tensors from ``own_weights()`` after the buffer's exchange. Sources and passes may be
 collectives over the trainer ranks: call them on every trainer rank, in the same order, or ranks
-deadlock.
+deadlock. :class:`SourceReader` pulls a pass's tensors in plan order and checks each one.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from mcore_refit.refit.plan import PlannedBuffer, RefitPlan, TensorSpec
+from mcore_refit.refit.plan import PlannedBuffer, PlannedTensor, RefitPlan
+from mcore_refit.refit.specs import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,50 @@ class _LocalPass:
         return self._source.iter_weights()
 
 
-def drain(source: WeightSource) -> None:
-    """Read one pass of ``source`` to its end and drop every tensor."""
-    for _ in source.iter_weights():
-        pass
+class SourceReader:
+    """Pulls a plan's tensors from a weight iterator in plan order, checking each one.
+
+    Raises ``ValueError`` naming the first tensor that differs from the plan in name, shape or
+    dtype, or the point where the source ended early. ``export_s`` accumulates the time spent
+    inside the source (the export).
+    """
+
+    def __init__(self, plan: RefitPlan, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._plan = plan
+        self._weights = weights
+        self.export_s = 0.0
+
+    def next_tensor(self, planned: PlannedTensor) -> torch.Tensor:
+        start = time.perf_counter()
+        item = next(self._weights, None)
+        self.export_s += time.perf_counter() - start
+        spec = planned.spec
+        if item is None:
+            raise ValueError(
+                f"the weight source ended before {spec.name!r} (position {planned.index} of the "
+                f"refit plan's {self._plan.num_tensors} tensors)"
+            )
+        name, tensor = item
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"the weight source yielded {name!r} {tuple(tensor.shape)} {tensor.dtype} at "
+                f"position {planned.index}, the refit plan expects {spec.label!r} {spec.shape} "
+                f"{spec.dtype}; rebuild the plan when the model changes"
+            )
+        return tensor
+
+    def skip(self, planned: Sequence[PlannedTensor]) -> None:
+        """Read and drop the source's next tensors for ``planned`` (after a failure, so that
+        ranks reading a collective source in step are not left waiting)."""
+        try:
+            for _ in planned:
+                if next(self._weights, None) is None:
+                    return
+        except Exception:
+            pass  # the source itself failed: that error is already the refit's failure
+
+    def extra(self) -> str | None:
+        """The name of a tensor the source yields beyond the plan, if any."""
+        item = next(self._weights, None)
+        return None if item is None else item[0]
+

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from mcore_refit.refit.transport import RefitError, RefitTimeout
+from mcore_refit.refit.errors import RefitError, RefitTimeout
 
 
 class DeviceStreams:

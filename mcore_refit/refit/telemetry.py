@@ -24,6 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from mcore_refit.refit.plan import RefitPlan
 
 
 @dataclass(kw_only=True)
@@ -51,6 +57,16 @@ class RefitTelemetry:
     new_segments: int | None = None
     checksums: bool = False
     verified: bool | None = None
+
+    @classmethod
+    def for_plan(cls, plan: RefitPlan, *, role: str, transport: str, refit_index: int,
+                 device: torch.device, held_bytes: int, checksums: bool = False,
+                 num_buffers: int | None = None) -> RefitTelemetry:
+        """A refit's telemetry before it starts: the plan's sizes and this rank's place."""
+        return cls(role=role, transport=transport, refit_index=refit_index, device=str(device),
+                   num_tensors=plan.num_tensors, payload_bytes=plan.payload_bytes,
+                   num_buffers=plan.num_buffers if num_buffers is None else num_buffers,
+                   held_bytes=held_bytes, checksums=checksums)
 
     @property
     def gbps(self) -> float:

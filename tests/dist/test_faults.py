@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mcore_refit.refit.ipc_owners import sweep_stale_files
-from mcore_refit.tiny import VLLM_SIZES, TinyModelSpec, write_tiny_checkpoint
+from mcore_refit.refit.transports.ipc_files import sweep_stale_files
+from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT, run_torchrun
 
 FAULTS = REPO_ROOT / "tests" / "dist" / "scenarios" / "faults.py"
@@ -38,15 +38,6 @@ ROWS = [
     ("trainer_export", NON_COLOCATED, 3, 1, _PEER_DIED.format(name="trainer rank 1")),
     ("inference_broadcast", NON_COLOCATED, 3, 2, _PEER_DIED.format(name="inference rank 0")),
 ]
-
-
-@pytest.fixture
-def ipc_dir():
-    """A short parent for the private IPC directory (a Unix socket path has at most ~100
-    characters, and a GPU names its socket by a 36-character UUID)."""
-    path = Path(tempfile.mkdtemp(prefix="faults", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +102,7 @@ def check_fault(fault, config, nproc, killed, first_line, checkpoint, tmp_path, 
     # Every rank that unwound removed its IPC files; a SIGKILLed trainer's are left for the next
     # start-up's sweep, which takes exactly those.
     if config is COLOCATED:
-        (private,) = ipc_dir.iterdir()
+        (private,) = Path(ipc_dir).iterdir()
         left = sorted(p.name for p in private.iterdir())
         if killed is None:
             assert left == []

@@ -1,7 +1,7 @@
 """Non-colocated transport on CPU (gloo, 2-4 real processes): bitwise round trips and failures.
 
 Every scenario runs in freshly spawned processes on a free port; each rank writes a JSON result
-that the test asserts on. The ranks form a split job by hand: trainer ranks first, then inference
+that the test asserts on. The ranks form a non-colocated job by hand: trainer ranks first, then inference
 ranks, a control group over all of them and a data group per source trainer rank. Failures must
 reach every rank as a RefitError naming the rank, within the configured timeout.
 """
@@ -18,21 +18,22 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.control import ControlGroup
-from mcore_refit.distributed import Placement
 from mcore_refit.refit import (
-    BroadcastInitInfo,
-    BroadcastSender,
     LocalSource,
+    NonColocatedInitInfo,
+    NonColocatedSender,
+    Placement,
+    PlanConfig,
     RefitError,
     Refitter,
+    SourceLayout,
     TensorDictEngine,
+    TensorSpec,
+    TransportOptions,
     WeightTransferEndpoint,
     build_plan,
     plan_for_source,
 )
-from mcore_refit.refit.config import PlanConfig, TransportOptions
-from mcore_refit.refit.plan import TensorSpec
-from mcore_refit.refit.source import SourceLayout
 from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from tests.ranks import run_ranks
 from tests.tensors import bits
@@ -50,7 +51,7 @@ def _options(**overrides) -> TransportOptions:
 
 
 class _Job:
-    """The split job's groups, built by hand on a gloo world of trainers then receivers."""
+    """The non-colocated job's groups, built by hand on a gloo world of trainers then receivers."""
 
     def __init__(self, rank: int, *, trainers: int, receivers: int, shared=()) -> None:
         self.rank = rank
@@ -72,15 +73,15 @@ class _Job:
     def receiver(self) -> int:
         return self.rank - self.placement.num_trainers
 
-    def sender(self, plan, options, **kwargs) -> BroadcastSender:
-        return BroadcastSender(plan=plan, placement=self.placement, rank=self.rank,
+    def sender(self, plan, options, **kwargs) -> NonColocatedSender:
+        return NonColocatedSender(plan=plan, placement=self.placement, rank=self.rank,
                                control=self.control, data_group=self.data_groups.get(self.rank),
                                device=CPU, options=options,
                                cpu_device_id=f"t{os.getpid()}", **kwargs)
 
     def endpoint(self, engine, options, plan=None) -> WeightTransferEndpoint:
         endpoint = WeightTransferEndpoint(engine=engine, device=CPU, options=options, plan=plan)
-        endpoint.init_weight_transfer_engine(BroadcastInitInfo(
+        endpoint.init_weight_transfer_engine(NonColocatedInitInfo(
             placement=self.placement, receiver=self.receiver, control=self.control,
             data_groups={s: g for s, g in self.data_groups.items() if s != self.rank}))
         return endpoint
@@ -453,7 +454,8 @@ def test_failures_reach_every_rank(tmp_path):
         assert side["plan_mismatch"]["message"].startswith(
             "refit plan mismatch: the ranks hold different plans (trainer rank 0: ")
     assert sender["unknown_name"]["message"].startswith(
-        "refit 0 failed on inference rank 0: engine.load_weights on buffer 5: Traceback")
+        "refit 0 failed on inference rank 0: engine.load_weights on buffer 5: ValueError: "
+        "unknown weight name 'head.weight'")
     for side in (sender, receiver):
         assert "unknown weight name 'head.weight': the tensor-dict engine on cpu has no " \
                "parameter or buffer of that name" in side["unknown_name"]["message"]

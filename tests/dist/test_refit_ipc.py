@@ -20,24 +20,25 @@ import torch.multiprocessing as mp
 import zmq
 
 from mcore_refit.refit import (
-    IpcInitInfo,
-    IpcSender,
+    ColocatedInitInfo,
+    ColocatedSender,
     LocalSource,
+    Piecewise,
+    PlanConfig,
     RefitError,
     Refitter,
     RefitTimeout,
     SharedWeightsSender,
     TensorDictEngine,
+    TensorSpec,
+    TransportOptions,
     WeightTransferEndpoint,
     build_plan,
     plan_for_source,
 )
-from mcore_refit.refit.config import PlanConfig, TransportOptions
-from mcore_refit.refit.plan import TensorSpec
-from mcore_refit.refit.source import Piecewise
-from mcore_refit.refit.ipc_memory import create_shared_cpu_slot, private_runtime_dir
+from mcore_refit.refit.transports.ipc_files import create_shared_cpu_slot, private_runtime_dir
 from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
-from mcore_refit.refit.wire import BufferReady, decode, encode
+from mcore_refit.refit.transports.wire import BufferReady, decode, encode
 from tests.tensors import bits
 
 CPU = torch.device("cpu")
@@ -82,7 +83,7 @@ def engine_main(address: str, options: TransportOptions, out_path: str, num_refi
                 script: dict, drop_name: str | None, own_plan_json: str | None,
                 trainer_refits_before: int) -> None:
     """The engine process: serve ``num_refits`` refits, compare with the expected weights."""
-    from mcore_refit.refit.plan import plan_from_json
+    from mcore_refit.refit import plan_from_json
 
     specs = tiny_mixed_specs()
     base = TensorDictEngine.from_specs([s for s in specs if s.name != drop_name], device=CPU)
@@ -95,7 +96,7 @@ def engine_main(address: str, options: TransportOptions, out_path: str, num_refi
     try:
         with WeightTransferEndpoint(engine=engine, device=CPU, options=options,
                                     plan=plan) as endpoint:
-            endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
+            endpoint.init_weight_transfer_engine(ColocatedInitInfo(address=address))
             for refit in range(num_refits):
                 engine.refit, engine.calls = refit, 0
                 endpoint.start_weight_update()
@@ -147,7 +148,7 @@ class Trainer:
                                             noncontiguous=True)
         plan = plan_for_source(LocalSource(self.source), config=_plan_config(num_slots),
                                device=CPU)
-        sender = IpcSender(plan=plan, device=CPU, options=options, cpu_device_id=device_id)
+        sender = ColocatedSender(plan=plan, device=CPU, options=options, cpu_device_id=device_id)
         self.refitter = Refitter(source=LocalSource(self.source), sender=sender)
         self.refitter.prepare()
         self.address = sender.address
@@ -293,7 +294,7 @@ def test_shared_weights_are_loaded_in_place_and_mapped_again_when_they_move(ipc_
     assert outcomes == [{"ok": True, "verified": True, "refit_index": i, "bitwise": True}
                         for i in range(3)]
     assert [(t.verified, t.transport, t.held_bytes) for t in telemetry] == \
-        [(True, "ipc_shared", 0)] * 3
+        [(True, "colocated_weights", 0)] * 3
 
 
 class _FusedSource:
@@ -342,7 +343,7 @@ def _fused_engine_main(address: str, options: TransportOptions, out_path: str) -
     outcomes = []
     try:
         with WeightTransferEndpoint(engine=engine, device=CPU, options=options) as endpoint:
-            endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
+            endpoint.init_weight_transfer_engine(ColocatedInitInfo(address=address))
             for refit in range(2):
                 endpoint.start_weight_update()
                 telemetry = endpoint.update_weights()

@@ -14,14 +14,14 @@ import torch.distributed as dist
 
 from mcore_refit.bench.synthetic import SyntheticWeightSource, tiny_mixed_specs
 from mcore_refit.refit import (
-    BroadcastInitInfo,
+    NonColocatedInitInfo,
     LocalSource,
     Refitter,
     TensorDictEngine,
     WeightTransferEndpoint,
     plan_for_source,
 )
-from mcore_refit.refit.fanout import entries
+from mcore_refit.refit.transports.non_colocated.fanout import entries
 from tests.dist.test_refit_broadcast import (
     CPU,
     _attempt,
@@ -51,7 +51,7 @@ class _RelayJob(_Job):
 
     def endpoint(self, engine, options, plan=None) -> WeightTransferEndpoint:
         endpoint = WeightTransferEndpoint(engine=engine, device=CPU, options=options, plan=plan)
-        endpoint.init_weight_transfer_engine(BroadcastInitInfo(
+        endpoint.init_weight_transfer_engine(NonColocatedInitInfo(
             placement=self.placement, receiver=self.receiver, control=self.control,
             data_groups={s: g for s, g in self.data_groups.items() if s != self.rank},
             links=self.links))

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from mcore_refit.bench.synthetic import TensorListSource
 from mcore_refit.refit import (
-    IpcInitInfo,
-    IpcSender,
+    ColocatedInitInfo,
+    ColocatedSender,
     LocalSource,
     RefitError,
     Refitter,
@@ -48,7 +48,7 @@ class Trainer:
                  device_id: str) -> None:
         self.tensors = sorted(load_file(path / "model.safetensors").items())
         source = LocalSource(TensorListSource(self.tensors))
-        sender = IpcSender(plan=plan_for_source(source, config=plan, device=CPU), device=CPU,
+        sender = ColocatedSender(plan=plan_for_source(source, config=plan, device=CPU), device=CPU,
                            options=options, cpu_device_id=device_id)
         self.refitter = Refitter(source=source, sender=sender)
         self.refitter.prepare()
@@ -147,7 +147,7 @@ def test_vllm_refit_many_small_buffers_bitwise(llama, ipc_dir):
     staged_at = []
     try:
         with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir)) as transfer:
-            transfer.init_weight_transfer_engine(IpcInitInfo(address=trainer.address))
+            transfer.init_weight_transfer_engine(ColocatedInitInfo(address=trainer.address))
             for version in range(3):
                 trainer.bump(0.25 * version)
                 outcome = refit(trainer, transfer, version=version)
@@ -180,7 +180,7 @@ def test_vllm_refit_catches_views_kept_across_a_reused_slot(llama, ipc_dir, monk
 
     try:
         with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir)) as transfer:
-            transfer.init_weight_transfer_engine(IpcInitInfo(address=trainer.address))
+            transfer.init_weight_transfer_engine(ColocatedInitInfo(address=trainer.address))
             trainer.bump(1.0)
             with monkeypatch.context() as patch:
                 patch.setattr(staging.RefitStaging, "put", hand_over_slot_views)
@@ -208,7 +208,7 @@ def test_vllm_refit_plan_mismatch_is_named_on_both_sides(llama, ipc_dir):
     try:
         with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir),
                                 plan=other.refitter.plan) as transfer:
-            transfer.init_weight_transfer_engine(IpcInitInfo(address=trainer.address))
+            transfer.init_weight_transfer_engine(ColocatedInitInfo(address=trainer.address))
             outcome = refit(trainer, transfer, version=0)
             for side in ("trainer_error", "engine_error"):
                 assert "refit plan mismatch" in str(outcome[side]), outcome

@@ -25,20 +25,21 @@ import torch.multiprocessing as mp
 
 from mcore_refit.bench.synthetic import SyntheticWeightSource, tiny_mixed_specs
 from mcore_refit.control import ControlGroup
-from mcore_refit.distributed import Placement
 from mcore_refit.refit import (
-    BroadcastInitInfo,
-    BroadcastSender,
-    IpcInitInfo,
+    ColocatedInitInfo,
     LocalSource,
+    NonColocatedInitInfo,
+    NonColocatedSender,
+    Placement,
     PlanConfig,
     Refitter,
     TensorDictEngine,
     TensorSpec,
     TransportOptions,
     WeightTransferEndpoint,
-    colocated_sender,
+    create_sender,
     plan_for_source,
+    transport_for,
 )
 from tests.tensors import bits
 
@@ -110,7 +111,7 @@ def _broadcast_scenario(rank: int, device: torch.device) -> dict:
                                                    noncontiguous=True))
         for name, transport in (("plain", options()), ("checksums", options(checksums=True))):
             plan = plan_for_source(source, config=PLAN, device=device)
-            sender = BroadcastSender(plan=plan, placement=placement, rank=0, control=control,
+            sender = NonColocatedSender(plan=plan, placement=placement, rank=0, control=control,
                                      data_group=data_group, device=device, options=transport)
             with Refitter(source=source, sender=sender) as refitter:
                 refitter.prepare()
@@ -128,7 +129,7 @@ def _broadcast_scenario(rank: int, device: torch.device) -> dict:
     engine = TensorDictEngine.from_specs(specs, device=device)
     for name, transport in (("plain", options()), ("checksums", options(checksums=True))):
         with WeightTransferEndpoint(engine=engine, device=device, options=transport) as endpoint:
-            endpoint.init_weight_transfer_engine(BroadcastInitInfo(
+            endpoint.init_weight_transfer_engine(NonColocatedInitInfo(
                 placement=placement, receiver=0, control=control, data_groups={0: data_group}))
             endpoint.start_weight_update()
             first = endpoint.update_weights()
@@ -199,7 +200,7 @@ def _engine_main(address: str, out_path: str) -> None:
         engine = TensorDictEngine.from_specs(specs, device=device)
         with WeightTransferEndpoint(engine=engine, device=device,
                                     options=options()) as endpoint:
-            endpoint.init_weight_transfer_engine(IpcInitInfo(address=address))
+            endpoint.init_weight_transfer_engine(ColocatedInitInfo(address=address))
             endpoint.start_weight_update()
             first = endpoint.update_weights()
             endpoint.finish_weight_update(1)
@@ -231,7 +232,8 @@ def test_colocated_cuda_ipc_bitwise_without_new_allocations(tmp_path, sharing):
         source = LocalSource(SyntheticWeightSource(gpu_specs(), device=device, seed=SEED,
                                                    noncontiguous=True))
         plan = plan_for_source(source, config=PLAN, device=device)
-        sender = colocated_sender(plan=plan, device=device, options=transport)
+        sender = create_sender(transport_for("colocated", transport), plan=plan, device=device,
+                               options=transport)
         assert "GPU-" in sender.address
         engine_out = tmp_path / "engine.json"
         engine = mp.get_context("spawn").Process(target=_engine_main,

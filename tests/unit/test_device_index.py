@@ -2,13 +2,14 @@
 
 import pytest
 
-from mcore_refit.distributed import colocated_device_index, split_job_device_index
+from mcore_refit.distributed import colocated_device_index
+from mcore_refit.non_colocated import non_colocated_device_index
 
 
 def split_layout(*, num_nodes: int, ranks_per_node: int, num_trainer_ranks: int,
                  num_gpus: int) -> list[list[int]]:
     """Per node, the GPU of each local rank, as torchrun numbers ranks (node-major)."""
-    return [[split_job_device_index(rank=node * ranks_per_node + local,
+    return [[non_colocated_device_index(rank=node * ranks_per_node + local,
                                     local_rank=local, local_world_size=ranks_per_node,
                                     num_trainer_ranks=num_trainer_ranks, num_gpus=num_gpus)
              for local in range(ranks_per_node)]
@@ -34,10 +35,10 @@ def test_more_ranks_than_gpus_share_the_last_gpus_but_never_the_first_trainers()
                         num_gpus=2) == [[0, 1, 1]]
     # Node 0 (4 GPUs) holds trainer ranks 0-2; node 1 (2 GPUs) trainer ranks 3, 4 and the
     # inference rank, which shares the GPU of trainer rank 4, not that of its first trainer.
-    assert [split_job_device_index(rank=rank, local_rank=rank, local_world_size=3,
+    assert [non_colocated_device_index(rank=rank, local_rank=rank, local_world_size=3,
                                    num_trainer_ranks=5, num_gpus=4)
             for rank in range(3)] == [0, 1, 2]
-    assert [split_job_device_index(rank=3 + local, local_rank=local, local_world_size=3,
+    assert [non_colocated_device_index(rank=3 + local, local_rank=local, local_world_size=3,
                                    num_trainer_ranks=5, num_gpus=2)
             for local in range(3)] == [0, 1, 1]
 
@@ -52,14 +53,14 @@ def test_a_node_of_trainers_and_engines_sharing_eight_gpus():
 def test_inference_ranks_that_would_take_the_first_trainers_gpu_are_refused():
     with pytest.raises(ValueError, match=r"^2 inference ranks on this node need GPUs other than "
                                          r"its first trainer rank's, but this node has 2$"):
-        split_job_device_index(rank=0, local_rank=0, local_world_size=3, num_trainer_ranks=1,
+        non_colocated_device_index(rank=0, local_rank=0, local_world_size=3, num_trainer_ranks=1,
                                num_gpus=2)
 
 
 def test_a_node_of_engines_only_needs_a_gpu_per_engine():
     with pytest.raises(ValueError, match=r"^3 inference ranks on this node but it has 2 GPUs: "
                                          r"launch at most one inference rank per GPU$"):
-        split_job_device_index(rank=4, local_rank=1, local_world_size=3, num_trainer_ranks=3,
+        non_colocated_device_index(rank=4, local_rank=1, local_world_size=3, num_trainer_ranks=3,
                                num_gpus=2)
 
 
@@ -75,5 +76,5 @@ def test_a_local_rank_outside_the_node_is_refused():
     with pytest.raises(ValueError, match=r"^local rank 8 is outside this node's 8 ranks$"):
         colocated_device_index(local_rank=8, local_world_size=8, num_gpus=8)
     with pytest.raises(ValueError, match=r"^local rank 3 is outside this node's 2 ranks$"):
-        split_job_device_index(rank=3, local_rank=3, local_world_size=2, num_trainer_ranks=1,
+        non_colocated_device_index(rank=3, local_rank=3, local_world_size=2, num_trainer_ranks=1,
                                num_gpus=2)

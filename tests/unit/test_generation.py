@@ -21,7 +21,7 @@ from mcore_refit.inference.process import (
     encode_failure,
     encode_reply,
 )
-from mcore_refit.refit.config import TransportOptions
+from mcore_refit.refit import TransportOptions
 
 
 def test_interleave_undoes_strided_sharding():

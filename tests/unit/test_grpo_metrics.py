@@ -22,7 +22,7 @@ from mcore_refit.grpo.metrics import MetricsWriter, read_metrics, refit_metrics
 from mcore_refit.grpo.plot import moving_average, plot_metrics, reward_limits
 from mcore_refit.grpo.protocol import Rollouts
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts
-from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit import RefitTelemetry
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "grpo_tiny_cpu_colocated.yaml"
@@ -33,7 +33,7 @@ def job_config(tmp_path, *overrides) -> GRPOJobConfig:
 
 
 def telemetry() -> RefitTelemetry:
-    return RefitTelemetry(role="sender", transport="ipc", refit_index=3, device="cpu",
+    return RefitTelemetry(role="sender", transport="colocated", refit_index=3, device="cpu",
                           num_tensors=10, num_buffers=2, payload_bytes=2_000_000, total_s=0.004,
                           export_s=0.001, pack_s=0.002, transfer_s=0.003, wait_s=0.0005,
                           held_bytes=524288)

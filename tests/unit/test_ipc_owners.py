@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mcore_refit.processes import ProcessIdentity, pid_running
-from mcore_refit.refit.ipc_owners import claim_owner, sweep_stale_files
+from mcore_refit.refit.transports.ipc_files import claim_owner, sweep_stale_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,7 +126,7 @@ def test_a_reused_pid_is_not_the_process_that_died():
 _SWEEPER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from mcore_refit.refit.ipc_owners import sweep_stale_files
+    from mcore_refit.refit.transports.ipc_files import sweep_stale_files
     directory, seconds, stop = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
     print("ready", flush=True)
     end = time.monotonic() + seconds

@@ -5,7 +5,7 @@ import typing
 import pytest
 import torch
 
-from mcore_refit.bench import colocated, split
+from mcore_refit.bench import colocated, non_colocated
 from mcore_refit.bench.config import (
     COLOCATED_MODES,
     BenchConfig,
@@ -24,8 +24,8 @@ from mcore_refit.bench.results import (
     transport_result,
 )
 from mcore_refit.config import ConfigError, ParallelConfig, load_config
+from mcore_refit.refit import RefitTimeout
 from mcore_refit.refit.config import RefitConfig
-from mcore_refit.refit.transport import RefitTimeout
 
 TP1 = ParallelConfig()
 TP2 = ParallelConfig(tensor=2)
@@ -103,7 +103,7 @@ def test_bad_bench_configs_name_the_full_key(overrides, message):
 
 def test_every_mode_has_a_driver_in_its_placements():
     modes = set(typing.get_args(Mode))
-    assert set(split.MODES) == modes - set(COLOCATED_MODES)
+    assert set(non_colocated.MODES) == modes - set(COLOCATED_MODES)
     assert set(colocated.MODES) == modes
 
 

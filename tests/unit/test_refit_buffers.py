@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from mcore_refit.bench.synthetic import SyntheticWeightSource, tiny_mixed_specs
+from mcore_refit.refit import TensorDigester, TensorSpec, build_plan, mismatched_names
 from mcore_refit.refit.buffers import (
     HEADER_WORDS,
     BufferHeader,
     BufferSlots,
     BufferStatus,
     HeaderWord,
-    SourceReader,
 )
-from mcore_refit.refit.checksum import TensorDigester, buffer_checksum, mismatched_names
-from mcore_refit.refit.plan import TensorSpec, build_plan
+from mcore_refit.refit.checksum import buffer_checksum
+from mcore_refit.refit.source import SourceReader
 from tests.tensors import bits
 
 CPU = torch.device("cpu")
@@ -176,10 +176,8 @@ def test_pieces_pack_from_runs_and_load_into_their_regions():
     """A tensor sent in two pieces (two TP shards), one made of runs that lie apart in its
     parameter (like the query rows of a fused QKV shard): packed without an intermediate copy,
     loaded into the right rows, checked against the plan."""
-    from mcore_refit.refit.engines import TensorDictEngine
-    from mcore_refit.refit.plan import Region
-    from mcore_refit.refit.source import Piecewise
-    from mcore_refit.refit.transport import load_into
+    from mcore_refit.refit import Piecewise, Region, TensorDictEngine
+    from mcore_refit.refit.engines import load_into
 
     full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
     fused = torch.cat([full[0:2], torch.full((1, 3), -1.0), full[2:4]])  # rows 0-1, junk, 2-3

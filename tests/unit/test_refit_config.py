@@ -7,13 +7,8 @@ import pytest
 import torch
 
 from mcore_refit.config import from_dict, load_config
-from mcore_refit.refit.config import (
-    DEFAULT_SLOT_BYTES,
-    PlanConfig,
-    RefitConfig,
-    TransportOptions,
-    total_device_memory,
-)
+from mcore_refit.refit import PlanConfig, RefitConfig, TransportOptions
+from mcore_refit.refit.config import DEFAULT_SLOT_BYTES, total_device_memory
 
 
 @dataclass(frozen=True, kw_only=True)

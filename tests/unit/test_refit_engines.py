@@ -11,20 +11,21 @@ import pytest
 import torch
 
 from mcore_refit.bench.synthetic import TensorListSource
-from mcore_refit.distributed import Placement
 from mcore_refit.refit import (
+    ColocatedInitInfo,
+    ColocatedSender,
     HFModelEngine,
-    IpcInitInfo,
-    IpcSender,
     LocalSource,
     NamedTensorEngine,
+    NonColocatedInitInfo,
+    Placement,
+    PlanConfig,
     Refitter,
+    TransportOptions,
     WeightTransferEndpoint,
     init_info_from_dict,
     plan_for_source,
 )
-from mcore_refit.refit.config import PlanConfig, TransportOptions
-from mcore_refit.refit.receiver import BroadcastInitInfo
 
 CPU = torch.device("cpu")
 
@@ -72,13 +73,13 @@ def test_refit_into_a_hugging_face_model_over_the_colocated_transport(ipc_dir):
     source = LocalSource(TensorListSource(list(trained.state_dict().items())))
     options = TransportOptions(checksums=True, timeout_s=10, start_timeout_s=30, ipc_dir=ipc_dir)
     plan = plan_for_source(source, config=PlanConfig(slot_bytes=16384, num_slots=2), device=CPU)
-    sender = IpcSender(plan=plan, device=CPU, options=options, cpu_device_id="hf-engine-test")
+    sender = ColocatedSender(plan=plan, device=CPU, options=options, cpu_device_id="hf-engine-test")
     engine = HFModelEngine(serving)
     outcome = {}
 
     def serve():
         with WeightTransferEndpoint(engine=engine, device=CPU, options=options) as endpoint:
-            endpoint.init_weight_transfer_engine(IpcInitInfo(address=sender.address))
+            endpoint.init_weight_transfer_engine(ColocatedInitInfo(address=sender.address))
             endpoint.start_weight_update()
             outcome["telemetry"] = endpoint.update_weights()
             endpoint.finish_weight_update(weight_version=7)
@@ -112,13 +113,14 @@ def test_endpoint_call_order_is_enforced():
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"transport": "nccl"}, "init_info.transport must be 'ipc' (the broadcast transport takes a "
-                            "BroadcastInitInfo), got 'nccl'"),
-    ({"transport": "ipc"}, "init_info for transport 'ipc' lacks 'address'"),
-    ({"transport": "ipc", "address": "tcp://x"},
+    ({"transport": "nccl"}, "init_info.transport must be one of 'colocated', 'colocated_weights' "
+                            "(the non_colocated transport takes a "
+                            "NonColocatedInitInfo), got 'nccl'"),
+    ({"transport": "colocated"}, "init_info for transport 'colocated' lacks 'address'"),
+    ({"transport": "colocated", "address": "tcp://x"},
      "init_info.address must be an ipc:// address, got 'tcp://x'"),
-    ({"transport": "ipc", "address": "ipc:///x", "port": 1},
-     "unknown init_info key 'port' for transport 'ipc' (known: address)"),
+    ({"transport": "colocated", "address": "ipc:///x", "port": 1},
+     "unknown init_info key 'port' for transport 'colocated' (known: address)"),
 ])
 def test_init_info_parsing(data, message):
     with pytest.raises(ValueError) as error:
@@ -127,10 +129,10 @@ def test_init_info_parsing(data, message):
 
 
 def test_init_info_parsing_ok_and_broadcast_info_checks_its_rank():
-    assert init_info_from_dict({"transport": "ipc", "address": "ipc:///a/b.sock"}) == \
-        IpcInitInfo(address="ipc:///a/b.sock")
+    assert init_info_from_dict({"transport": "colocated", "address": "ipc:///a/b.sock"}) == \
+        ColocatedInitInfo(address="ipc:///a/b.sock")
     placement = Placement(num_trainers=2, num_receivers=1)
     with pytest.raises(ValueError) as error:
-        BroadcastInitInfo(placement=placement, receiver=1, control=None)
+        NonColocatedInitInfo(placement=placement, receiver=1, control=None)
     assert str(error.value) == ("init_info.receiver=1 is not an inference rank of the placement "
                                 "(1 inference ranks)")

@@ -2,9 +2,9 @@
 
 import torch
 
-from mcore_refit.distributed import Placement
-from mcore_refit.refit.fanout import entries
+from mcore_refit.refit import Placement
 from mcore_refit.refit.plan import TensorSpec, build_plan
+from mcore_refit.refit.transports.non_colocated.fanout import entries
 
 
 def test_relay_links_join_each_source_to_its_remote_engines_and_those_to_each_other():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mcore_refit.bench.synthetic import synthetic_specs
-from mcore_refit.refit.plan import HEADER_BYTES, TensorSpec, build_plan, plan_from_json
+from mcore_refit.refit import TensorSpec, build_plan, plan_from_json
+from mcore_refit.refit.plan import HEADER_BYTES
 
 
 def spec(name, shape, dtype=torch.float32):

@@ -4,12 +4,11 @@ import json
 
 import torch
 
-from mcore_refit.refit.streams import DeviceMemoryProbe
-from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit import DeviceMemoryProbe, RefitTelemetry
 
 
 def test_as_dict_is_json_with_derived_fields():
-    telemetry = RefitTelemetry(role="sender", transport="broadcast", refit_index=3,
+    telemetry = RefitTelemetry(role="sender", transport="non_colocated", refit_index=3,
                                device="cuda:0", num_tensors=291, num_buffers=16,
                                payload_bytes=16_060_522_496, total_s=0.0501234567,
                                pack_s=0.0123456789, held_bytes=2 << 30)
@@ -29,7 +28,7 @@ def test_memory_fields_are_none_on_cpu():
     probe.start()
     stats = probe.stop()
     assert stats == {"peak_transient_bytes": None, "new_allocations": None, "new_segments": None}
-    telemetry = RefitTelemetry(role="receiver", transport="ipc", refit_index=0, device="cpu",
+    telemetry = RefitTelemetry(role="receiver", transport="colocated", refit_index=0, device="cpu",
                                num_tensors=1, num_buffers=1, payload_bytes=8)
     telemetry.record_memory(stats)
     assert telemetry.peak_extra_bytes is None and telemetry.gbps == 0.0

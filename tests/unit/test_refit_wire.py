@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from mcore_refit.refit.ipc_memory import check_private_dir, private_runtime_dir
-from mcore_refit.refit.wire import (
+from mcore_refit.refit.transports.ipc_files import check_private_dir, private_runtime_dir
+from mcore_refit.refit.transports.wire import (
     WIRE_VERSION,
     Ack,
     BufferReady,

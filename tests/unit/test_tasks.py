@@ -9,7 +9,7 @@ import pytest
 from mcore_refit.config import ConfigError, load_config
 from mcore_refit.grpo.config import EvalConfig, GRPOJobConfig, TaskConfig
 from mcore_refit.grpo.evaluation import draw_eval_set
-from mcore_refit.grpo.tasks import ArithmeticTask, JsonlTask, Problem, build_task
+from mcore_refit.grpo.tasks import ArithmeticTask, JsonlTask, Problem
 from mcore_refit.tiny import build_tokenizer
 
 
@@ -82,9 +82,9 @@ def test_prompt_template_uses_the_prompt_and_the_lines_keys(tmp_path):
     path.write_text('{"q": "2+2", "a": "4", "topic": "sums"}\n')
     config = TaskConfig(kind="jsonl", path=str(path), prompt_key="q", answer_key="a",
                         prompt_template="[{topic}] {prompt} =")
-    [problem] = build_task(config, seed=0, hf_path="unused").sample(1)
+    [problem] = config.build(seed=0, hf_path="unused").sample(1)
     assert (problem.prompt, problem.answer) == ("[sums] 2+2 =", "4")
-    arithmetic = build_task(TaskConfig(prompt_template="Q: {prompt}"), seed=5, hf_path="unused")
+    arithmetic = TaskConfig(prompt_template="Q: {prompt}").build(seed=5, hf_path="unused")
     assert [p.prompt for p in arithmetic.sample(3)] == [
         f"Q: {p.prompt}" for p in ArithmeticTask(seed=5).sample(3)]
 
@@ -92,8 +92,8 @@ def test_prompt_template_uses_the_prompt_and_the_lines_keys(tmp_path):
 def test_a_template_key_missing_from_a_line_names_it(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "2+2", "answer": "4"}\n')
-    task = build_task(TaskConfig(kind="jsonl", path=str(path), prompt_template="{topic}: {prompt}"),
-                      seed=0, hf_path="unused")
+    task = TaskConfig(kind="jsonl", path=str(path),
+                      prompt_template="{topic}: {prompt}").build(seed=0, hf_path="unused")
     with pytest.raises(ValueError, match=re.escape(
             "task.prompt_template names 'topic', which the problem '2+2' does not have")):
         task.sample(1)
@@ -106,12 +106,12 @@ def test_chat_template_wraps_the_prompt_when_the_tokenizer_has_one(tmp_path):
     config = TaskConfig(chat_template=True, prompt_template="Add {prompt}")
     with pytest.raises(ValueError, match=re.escape(
             f"task.chat_template is true but the tokenizer in {without} has no chat template")):
-        build_task(config, seed=0, hf_path=str(without))
+        config.build(seed=0, hf_path=str(without))
     tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
                                "</s>{% endfor %}{% if add_generation_prompt %}<s>bot: {% endif %}")
     with_chat = tmp_path / "chat"
     tokenizer.save_pretrained(with_chat)
-    [problem] = build_task(config, seed=0, hf_path=str(with_chat)).sample(1)
+    [problem] = config.build(seed=0, hf_path=str(with_chat)).sample(1)
     [plain] = ArithmeticTask(seed=0).sample(1)
     assert problem.prompt == f"<s>user: Add {plain.prompt}</s><s>bot: "
     assert problem.answer == plain.answer

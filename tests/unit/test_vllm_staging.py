@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from mcore_refit.inference.vllm.staging import RefitStaging
-from mcore_refit.refit import TensorSpec, build_plan
-from mcore_refit.refit.plan import Region
+from mcore_refit.refit import Region, TensorSpec, build_plan
 from tests.tensors import bits
 
 CPU = torch.device("cpu")

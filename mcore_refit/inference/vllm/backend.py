@@ -33,8 +33,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from mcore_refit.inference.vllm.loader import VllmModelLoader
 from mcore_refit.inference.vllm.verification import ReferenceModel
 from mcore_refit.refit import (
-    BroadcastInitInfo,
-    IpcInitInfo,
+    ColocatedInitInfo,
+    NonColocatedInitInfo,
     RefitPlan,
     RefitReceiver,
     RefitTelemetry,
@@ -49,14 +49,14 @@ class RefitInitRequest(WeightTransferInitInfo):
     """What the worker needs to connect: the transport's init info, its options, and the plan
     the engine expects (``None``: adopt the trainer's)."""
 
-    transport: IpcInitInfo | BroadcastInitInfo
+    transport: ColocatedInitInfo | NonColocatedInitInfo
     options: TransportOptions
     plan: RefitPlan | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.transport, IpcInitInfo | BroadcastInitInfo):
-            raise ValueError(f"init_info.transport must be an IpcInitInfo or a "
-                             f"BroadcastInitInfo, got {type(self.transport).__name__}")
+        if not isinstance(self.transport, ColocatedInitInfo | NonColocatedInitInfo):
+            raise ValueError(f"init_info.transport must be an ColocatedInitInfo or a "
+                             f"NonColocatedInitInfo, got {type(self.transport).__name__}")
         if not isinstance(self.options, TransportOptions):
             raise ValueError(f"init_info.options must be TransportOptions, got "
                              f"{type(self.options).__name__}")

@@ -1,6 +1,6 @@
 """The refit's engine end inside a vLLM worker: received tensors into vLLM's own loader.
 
-:class:`VllmModelLoader` is the :class:`~mcore_refit.refit.transport.WeightLoader` a refit
+:class:`VllmModelLoader` is the :class:`~mcore_refit.refit.WeightLoader` a refit
 receiver writes into. Each refit runs vLLM's layerwise reload
 (``vllm.model_executor.model_loader.reload``): :meth:`begin` puts every layer on the meta device
 with its weight loaders wrapped, the model's own ``load_weights`` takes whole HF tensors (the
@@ -27,8 +27,7 @@ import torch
 from mcore_refit.inference.vllm.pipeline import LoadPipeline
 from mcore_refit.inference.vllm.staging import RefitStaging
 from mcore_refit.inference.vllm.verification import ReferenceModel
-from mcore_refit.refit import RefitPlan
-from mcore_refit.refit.plan import Region
+from mcore_refit.refit import RefitPlan, Region
 
 
 class VllmModelLoader:

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mcore_refit.refit import NamedTensorEngine, RefitPlan
-from mcore_refit.refit.plan import Region
+from mcore_refit.refit import NamedTensorEngine, RefitPlan, Region
 
 # Offsets of tensors in the staging allocation (bytes): enough for any dtype and vector loads.
 _ALIGNMENT = 64

@@ -5,7 +5,7 @@
 
     llm = LLM(model=..., weight_transfer_config=weight_transfer_config(), ...)
     transfer = VllmWeightTransfer(llm, device=device, options=cfg.refit.transport)
-    transfer.init_weight_transfer_engine(IpcInitInfo(address=...))   # or BroadcastInitInfo
+    transfer.init_weight_transfer_engine(ColocatedInitInfo(address=...))   # or NonColocatedInitInfo
     transfer.start_weight_update()
     telemetry = transfer.update_weights()     # one whole refit, into vLLM's loader
     transfer.finish_weight_update(weight_version=step)
@@ -26,8 +26,8 @@ import torch
 
 from mcore_refit.inference.vllm.backend import BACKEND_NAME, RefitInitRequest
 from mcore_refit.refit import (
-    BroadcastInitInfo,
-    IpcInitInfo,
+    ColocatedInitInfo,
+    NonColocatedInitInfo,
     RefitError,
     RefitPlan,
     RefitTelemetry,
@@ -75,7 +75,7 @@ class VllmWeightTransfer:
             return self._plan
         return self._backend_state(lambda backend: backend.plan)
 
-    def init_weight_transfer_engine(self, init_info: IpcInitInfo | BroadcastInitInfo
+    def init_weight_transfer_engine(self, init_info: ColocatedInitInfo | NonColocatedInitInfo
                                     | Mapping[str, Any]) -> None:
         """Connect vLLM's worker to the trainer. For ``broadcast`` this is a collective with the
         trainer's ``prepare()``: call it on every inference rank while the trainer prepares."""

@@ -101,7 +101,7 @@ def export_reads_current_parameters(path, device):
     from mcore_refit.control import ControlGroup
     from mcore_refit.model import build_model
     from mcore_refit.refit import PlanConfig, plan_for_source
-    from mcore_refit.refit.export import ModelExport
+    from mcore_refit.refit import ModelExport
 
     parallel = ParallelConfig(pipeline=2, virtual_pipeline=2)
     model_parallel = distributed.init_model_parallel(parallel, seed=0)

@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mcore_refit import distributed
+from mcore_refit import distributed, non_colocated
 from mcore_refit.config import load_config
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.job import build_trainer, train, trainer_control
 from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
-from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit import RefitTelemetry
 
 # Short enough that a rank left waiting in a collective fails the test quickly, long enough for
 # a refit of the tiny model on a loaded CPU.
@@ -170,7 +170,7 @@ def run_colocated(args, config, *, rank: int, world_size: int, local_rank: int) 
 
 
 def run_non_colocated(args, config, *, rank: int, world_size: int, local_rank: int) -> None:
-    job = distributed.init_split_job(
+    job = non_colocated.init_non_colocated_job(
         rank=rank, world_size=world_size, local_rank=local_rank,
         num_inference_ranks=config.inference.num_ranks,
         store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),

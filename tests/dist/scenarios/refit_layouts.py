@@ -6,7 +6,7 @@ tensor bit for bit against Megatron-Bridge's own (full) export of the same model
 weights change in between, so stale bytes would show).
 
 - ``--placement non_colocated``: the first ranks train (as many as the layout needs), the rest
-  are inference ranks of a split job; each tensor goes from the trainer rank that exports it.
+  are inference ranks of a non-colocated job; each tensor goes from the trainer rank that exports it.
 - ``--placement colocated``: every rank trains and refits an engine in a thread of its own
   process over the IPC transport (shared memory); buffers move between trainer ranks first.
 
@@ -26,23 +26,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mcore_refit import distributed
+from mcore_refit import distributed, non_colocated
 from mcore_refit.config import ModelConfig, ParallelConfig
 from mcore_refit.control import ControlGroup
 from mcore_refit.refit import (
-    BroadcastInitInfo,
-    BroadcastSender,
-    IpcInitInfo,
+    ColocatedInitInfo,
+    ColocatedSender,
     HFModelEngine,
-    IpcSender,
+    ModelExport,
+    NonColocatedInitInfo,
+    NonColocatedSender,
+    PlanConfig,
     Refitter,
     TensorDictEngine,
+    TensorDigester,
+    TransportOptions,
     WeightTransferEndpoint,
+    mismatched_names,
     plan_for_source,
 )
-from mcore_refit.refit.checksum import TensorDigester, mismatched_names
-from mcore_refit.refit.config import PlanConfig, TransportOptions
-from mcore_refit.refit.export import ModelExport
+from mcore_refit.refit.export_probe import ConversionProbe
 from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
 
 CHECKPOINTS = {
@@ -75,9 +78,9 @@ OPTIONS = TransportOptions(checksums=True, timeout_s=60, start_timeout_s=120)
 PLAN = PlanConfig(slot_bytes=65536, num_slots=2)
 
 
-class SkippingExport(ModelExport):
-    """The export, with the row probe refused for some mapping classes (tests the paths for
-    conversions that are not row moves: Bridge's conversion on the rank, or its full export)."""
+class SkippingProbe(ConversionProbe):
+    """The row probe, refused for some mapping classes (tests the paths for conversions that
+    are not row moves: Bridge's conversion on the rank, or its full export)."""
 
     skipped: frozenset[str] = frozenset()
 
@@ -85,6 +88,12 @@ class SkippingExport(ModelExport):
         if type(task.mapping).__name__ in self.skipped:
             return None
         return super()._probe(task, full, local)
+
+
+class SkippingExport(ModelExport):
+    """The export, learning its conversions with :class:`SkippingProbe`."""
+
+    probe_class = SkippingProbe
 
 
 def kinds(export) -> dict[str, int]:
@@ -104,7 +113,7 @@ def main() -> None:
                         help="mapping classes whose tasks skip the row probe (as a mapping "
                              "that does more than move rows would)")
     args = parser.parse_args()
-    SkippingExport.skipped = frozenset(args.no_probe)
+    SkippingProbe.skipped = frozenset(args.no_probe)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainers = max(LAYOUTS[name][1].model_parallel_size * LAYOUTS[name][1].expert
                    for name in args.layouts)
@@ -113,7 +122,7 @@ def main() -> None:
         context = distributed.init_distributed(rank=rank, world_size=world, local_rank=rank)
         job = None
     else:
-        job = distributed.init_split_job(
+        job = non_colocated.init_non_colocated_job(
             rank=rank, world_size=world, local_rank=rank, num_inference_ranks=world - trainers,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
         context = job.context
@@ -184,7 +193,7 @@ def bump(model) -> None:
 
 
 def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
-    """A trainer rank of the split job: two refits, then Bridge's export for the check."""
+    """A trainer rank of the non-colocated job: two refits, then Bridge's export for the check."""
     trainers = dist.new_group(backend="gloo")
     try:
         model = build(path, parallel, job.context.device)
@@ -192,7 +201,7 @@ def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
         export = SkippingExport(model, control=control, device=job.context.device,
                                 prefer={t for t, _ in job.placement.shared})
         plan = plan_for_source(export, config=PLAN, device=job.context.device)
-        sender = BroadcastSender(plan=plan, placement=job.placement, rank=job.context.rank,
+        sender = NonColocatedSender(plan=plan, placement=job.placement, rank=job.context.rank,
                                  control=ControlGroup(job.refit_control, timeout_s=120),
                                  data_group=job.data_groups.get(job.context.rank),
                                  device=job.context.device, options=OPTIONS,
@@ -219,7 +228,7 @@ def receiver(job, path: Path) -> dict:
     """An inference rank: takes the trainers' plan, receives two refits, checks each against
     Bridge's export."""
     control = ControlGroup(job.refit_control, timeout_s=120)
-    info = BroadcastInitInfo(placement=job.placement, receiver=job.context.rank,
+    info = NonColocatedInitInfo(placement=job.placement, receiver=job.context.rank,
                              control=control, data_groups=job.data_groups)
     receiver_ = info.connect(device=job.context.device, options=OPTIONS, plan=None)
     receiver_.prepare()
@@ -247,7 +256,7 @@ def colocated(path: Path, parallel: ParallelConfig, *, context) -> dict:
         options = TransportOptions(**{**OPTIONS.__dict__,
                                       "ipc_dir": f"/tmp/layouts-{os.getppid()}"})
         Path(options.ipc_dir).mkdir(exist_ok=True)
-        sender = IpcSender(plan=plan, device=context.device, options=options,
+        sender = ColocatedSender(plan=plan, device=context.device, options=options,
                            cpu_device_id=f"layouts{os.getppid()}-rank{context.rank}",
                            trainers=dist.group.WORLD, control=control, rank=context.rank)
         engine = make_engine(path, plan.specs(), context.device)
@@ -256,7 +265,7 @@ def colocated(path: Path, parallel: ParallelConfig, *, context) -> dict:
         def serve():
             with WeightTransferEndpoint(engine=engine, device=context.device,
                                         options=options) as endpoint:
-                endpoint.init_weight_transfer_engine(IpcInitInfo(address=sender.address))
+                endpoint.init_weight_transfer_engine(ColocatedInitInfo(address=sender.address))
                 for version in range(2):
                     endpoint.start_weight_update()
                     served.append(endpoint.update_weights().verified)

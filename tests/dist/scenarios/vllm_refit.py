@@ -38,10 +38,10 @@ from mcore_refit.config import ParallelConfig  # noqa: E402
 from mcore_refit.control import ControlGroup  # noqa: E402
 from mcore_refit.inference.process import EngineProcess  # noqa: E402
 from mcore_refit.refit import (  # noqa: E402
-    BroadcastInitInfo,
-    BroadcastSender,
-    IpcInitInfo,
-    IpcSender,
+    NonColocatedInitInfo,
+    NonColocatedSender,
+    ColocatedInitInfo,
+    ColocatedSender,
     Refitter,
     plan_for_source,
 )
@@ -88,7 +88,7 @@ def main() -> None:
         context = distributed.init_distributed(rank=rank, world_size=world, local_rank=rank)
         job = None
     else:
-        job = distributed.init_split_job(
+        job = distributed.init_non_colocated_job(
             rank=rank, world_size=world, local_rank=rank, num_inference_ranks=1,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
         context = job.context
@@ -126,7 +126,7 @@ def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
                              device=job.context.device)
         plan = plan_for_source(export, config=PLAN, device=job.context.device)
         control = ControlGroup(job.refit_control, timeout_s=120)
-        sender = BroadcastSender(plan=plan, placement=job.placement, rank=job.context.rank,
+        sender = NonColocatedSender(plan=plan, placement=job.placement, rank=job.context.rank,
                                  control=control,
                                  data_group=job.data_groups.get(job.context.rank),
                                  device=job.context.device, options=OPTIONS,
@@ -153,7 +153,7 @@ def receiver(job, path: Path) -> dict:
 
     control = ControlGroup(job.refit_control, timeout_s=120)
     llm = Engine.llm_for(path)
-    info = BroadcastInitInfo(placement=job.placement, receiver=job.context.rank,
+    info = NonColocatedInitInfo(placement=job.placement, receiver=job.context.rank,
                              control=control, data_groups=job.data_groups)
     checks = []
     with VllmWeightTransfer(llm, device=job.context.device, options=OPTIONS) as transfer:
@@ -179,7 +179,7 @@ def colocated(path: Path, parallel: ParallelConfig, *, context, engine: "Engine"
         export = ModelExport(model, control=control, device=context.device)
         plan = plan_for_source(export, config=PLAN, device=context.device)
         options = engine.options
-        sender = IpcSender(plan=plan, device=context.device, options=options,
+        sender = ColocatedSender(plan=plan, device=context.device, options=options,
                            cpu_device_id=f"vllm{os.getppid()}-rank{context.rank}",
                            trainers=dist.group.WORLD, control=control, rank=context.rank,
                            peer_alive=engine.alive_problem)
@@ -269,7 +269,7 @@ class VllmServer:
 
         self.llm = Engine.llm_for(Path(hf_path))
         self.transfer = VllmWeightTransfer(self.llm, device=CPU, options=self.options)
-        self.transfer.init_weight_transfer_engine(IpcInitInfo(address=address))
+        self.transfer.init_weight_transfer_engine(ColocatedInitInfo(address=address))
 
     def do_update_weights(self, weight_version: int) -> dict:
         self.transfer.start_weight_update()

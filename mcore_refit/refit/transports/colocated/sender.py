@@ -1,10 +1,10 @@
 """Colocated transport, trainer end: buffers shared with the engine process through CUDA IPC.
 
 The trainer binds a ZMQ DEALER socket at ``ipc://<private dir>/<GPU UUID>.sock``; the engine
-process connects a REP socket (:mod:`.ipc_receiver`), which answers requests one at a time, in
+process connects a REP socket (:mod:`.receiver`), which answers requests one at a time, in
 order. Every request carries an id that its reply echoes (the REP envelope), so the trainer may
 have several requests outstanding and drops replies to requests it gave up on. Messages
-(:mod:`.wire`; every request gets exactly one reply):
+(:mod:`..wire`; every request gets exactly one reply):
 
 - :class:`~.wire.Hello` (plan, slot handles) → ``Ready``: once per engine connection; the engine
   maps the slots once and reuses them for every refit;
@@ -40,26 +40,28 @@ import zmq
 
 from mcore_refit.control import ControlGroup
 from mcore_refit.refit.buffers import BufferSlots, BufferStatus, HeaderWord
-from mcore_refit.refit.checksum import DIGEST_WORDS
+from mcore_refit.refit.checksum import digest_table
 from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.group import GroupCollectives
-from mcore_refit.refit.ipc_memory import (
+from mcore_refit.refit.errors import RefitError, RefitTimeout
+from mcore_refit.refit.plan import PlannedBuffer, RefitPlan
+from mcore_refit.refit.producer import BufferProducer
+from mcore_refit.refit.source import RefitPass
+from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
+from mcore_refit.refit.telemetry import RefitTelemetry
+from mcore_refit.refit.transports.base import RefitSender
+from mcore_refit.refit.transports.collectives import GroupCollectives
+from mcore_refit.refit.transports.ipc_files import (
     address_of,
+    claim_owner,
     claim_socket_path,
     create_shared_cpu_slot,
     describe_slot,
     device_key,
     private_runtime_dir,
     socket_path,
+    sweep_stale_files,
 )
-from mcore_refit.refit.ipc_owners import claim_owner, sweep_stale_files
-from mcore_refit.refit.plan import PlannedBuffer, RefitPlan
-from mcore_refit.refit.producer import BufferProducer
-from mcore_refit.refit.source import RefitPass
-from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
-from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError, RefitSender, RefitTimeout
-from mcore_refit.refit.wire import (
+from mcore_refit.refit.transports.wire import (
     Ack,
     BufferReady,
     Complete,
@@ -76,7 +78,7 @@ from mcore_refit.refit.wire import (
 )
 
 
-class IpcSender(RefitSender):
+class ColocatedSender(RefitSender):
     """Trainer end of the colocated transport. Binds the socket at construction.
 
     ``cpu_device_id`` names the device on CPU (tests, demos); on GPU the UUID is used.
@@ -87,7 +89,7 @@ class IpcSender(RefitSender):
     ``options.liveness_s``.
     """
 
-    transport_name = "ipc"
+    transport_name = "colocated"
 
     def __init__(self, *, plan: RefitPlan, device: torch.device, options: TransportOptions,
                  cpu_device_id: str | None = None, trainers: dist.ProcessGroup | None = None,
@@ -131,13 +133,6 @@ class IpcSender(RefitSender):
                                          track_peak=options.track_peak_memory)
         self._filled = [self._streams.new_event() for _ in range(plan.num_held_slots)]
 
-    @staticmethod
-    def address_for(*, device: torch.device, options: TransportOptions,
-                    cpu_device_id: str | None = None) -> str:
-        """The address a sender for ``device`` binds (to start the engine before the sender)."""
-        key = device_key(torch.device(device), cpu_device_id=cpu_device_id)
-        return address_of(socket_path(private_runtime_dir(options.ipc_dir), key))
-
     def prepare(self) -> None:
         """Allocate the slots and their IPC handles (once); the engine maps them on first use."""
         if self._slots is not None:
@@ -157,7 +152,7 @@ class IpcSender(RefitSender):
             blobs.extend(slot_blobs)
             slots.append(slot)
         # Every buffer passes through this rank's slots: use the receivers' slot numbering.
-        self._slots = BufferSlots(plan=self.plan, slots=slots, receiver=True)
+        self._slots = BufferSlots(plan=self.plan, slots=slots, all_buffers=True)
         self._hello = Hello(plan=self.plan.to_json(), device_key=self._key, slots=tuple(handles),
                             blobs=tuple(blobs))
 
@@ -169,11 +164,10 @@ class IpcSender(RefitSender):
              verify: bool = False) -> RefitTelemetry:
         assert self._slots is not None, "call prepare() before send()"
         plan, options = self.plan, self._options
-        telemetry = RefitTelemetry(
-            role="sender", transport=self.transport_name, refit_index=refit_index,
-            device=str(self._streams.device), num_tensors=plan.num_tensors,
-            num_buffers=plan.num_buffers, payload_bytes=plan.payload_bytes,
-            held_bytes=self._slots.held_bytes, checksums=options.checksums)
+        telemetry = RefitTelemetry.for_plan(
+            plan, role="sender", transport=self.transport_name, refit_index=refit_index,
+            device=self._streams.device, held_bytes=self._slots.held_bytes,
+            checksums=options.checksums)
         start = time.perf_counter()
         self._memory.start()
         producer = BufferProducer(plan=plan, slots=self._slots, refit_pass=refit_pass,
@@ -185,7 +179,8 @@ class IpcSender(RefitSender):
             self._start(refit_index=refit_index, verify=verify)
         except RefitError as error:
             engine_failure = error
-        source_failure: str | None = None  # a buffer arrived aborted: the engine gets no more
+        # A buffer arrived aborted: the engine gets no more.
+        source_failure: RefitError | None = None
         # Announced to the engine, ACK not yet received (oldest first; ACKs come in order).
         unacked: deque[tuple[PlannedBuffer, bytes]] = deque()
         first_send = None
@@ -196,8 +191,8 @@ class IpcSender(RefitSender):
                 engine_failure = self._await_ack(*unacked.popleft(), refit_index, telemetry)
             aborted = self._fill(buffer, producer, refit_index=refit_index)
             if aborted and source_failure is None:
-                source_failure = (f"trainer rank {buffer.source} aborted buffer {buffer.index} "
-                                  "(its export failed)")
+                source_failure = RefitError(f"trainer rank {buffer.source} aborted buffer "
+                                            f"{buffer.index} (its export failed)")
             if engine_failure is not None or source_failure is not None:
                 continue
             first_send = first_send if first_send is not None else time.perf_counter()
@@ -260,13 +255,9 @@ class IpcSender(RefitSender):
     def _digest_table(self, producer: BufferProducer) -> torch.Tensor:
         """The digests of every tensor as its source exported it (from every source rank)."""
         rows = producer.digest_rows()
-        if self._control is not None:
-            shared = self._control.all_gather_json(rows, what="the trainer ranks' digests")
-            rows = [row for rank_rows in shared for row in rank_rows]
-        table = torch.zeros(self.plan.num_tensors, DIGEST_WORDS, dtype=torch.int64)
-        for index, *digest in rows:
-            table[index] = torch.tensor(digest, dtype=torch.int64)
-        return table
+        shared = ([rows] if self._control is None else
+                  self._control.all_gather_json(rows, what="the trainer ranks' digests"))
+        return digest_table(shared, num_tensors=self.plan.num_tensors)
 
     def _start(self, *, refit_index: int, verify: bool) -> Started:
         start = Start(refit_index=refit_index, fingerprint=self.plan.fingerprint,
@@ -310,7 +301,7 @@ class IpcSender(RefitSender):
                               f"{buffer.index}")
         return None
 
-    def _finish(self, *, refit_index: int, failure: str | None,
+    def _finish(self, *, refit_index: int, failure: RefitError | None,
                 engine_failure: RefitError | None, digests: torch.Tensor | None, verify: bool,
                 telemetry: RefitTelemetry, started: float) -> RefitTelemetry:
         """End the refit on the engine (unless the engine already failed) and raise the
@@ -320,7 +311,7 @@ class IpcSender(RefitSender):
                                             digests=digests, telemetry=telemetry)
         if failure is not None:
             raise RefitError(f"refit {refit_index} failed on trainer rank {self._rank}: "
-                             f"{failure}")
+                             f"{failure}") from failure
         if engine_failure is not None:
             raise engine_failure
         telemetry.total_s = time.perf_counter() - started
@@ -328,13 +319,14 @@ class IpcSender(RefitSender):
         telemetry.record_memory(self._memory.stop())
         return telemetry
 
-    def _complete(self, *, refit_index: int, failure: str | None, digests: torch.Tensor | None,
-                  telemetry: RefitTelemetry) -> RefitError | None:
+    def _complete(self, *, refit_index: int, failure: RefitError | None,
+                  digests: torch.Tensor | None, telemetry: RefitTelemetry) -> RefitError | None:
         """Tell the engine the refit's buffers are through (or why it is aborted)."""
         blobs = (digests.numpy().tobytes(),) if digests is not None and failure is None else ()
         what = f"the engine's summary of refit {refit_index}"
         try:
-            reply = self._request(Complete(refit_index=refit_index, aborted=failure,
+            aborted = str(failure) if failure is not None else None
+            reply = self._request(Complete(refit_index=refit_index, aborted=aborted,
                                            blobs=blobs), Summary,
                                   timeout_s=self._options.timeout_s, what=what)
         except RefitError as error:

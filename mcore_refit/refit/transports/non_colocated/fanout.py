@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.control import ControlGroup
-from mcore_refit.distributed import Placement
 from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.group import GroupCollectives, PendingTransfer
 from mcore_refit.refit.plan import PlannedBuffer, RefitPlan
 from mcore_refit.refit.streams import DeviceStreams
+from mcore_refit.refit.transports.collectives import GroupCollectives, PendingTransfer
+from mcore_refit.refit.transports.non_colocated.placement import Placement
 
 Link = tuple[int, int]
 

@@ -1,5 +1,5 @@
-"""Colocated transport, engine end: serves the trainer's messages (see :mod:`.ipc_sender`, and
-:mod:`.ipc_shared` for a trainer that shares its own tensors instead of slots).
+"""Colocated transport, engine end: serves the trainer's messages (see :mod:`.sender`, and
+:mod:`.shared_weights` for a trainer that shares its own tensors instead of slots).
 
 The engine process connects a ZMQ REP socket to the trainer's address, maps the trainer's slots
 once (at the trainer's hello), and per refit: checks the start against its plan, loads every
@@ -11,27 +11,23 @@ planned tensor was loaded exactly once (and, when verifying, equals the trainer'
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 import zmq
 
-from mcore_refit.refit.buffers import BufferHeader, BufferSlots, BufferStatus
+from mcore_refit.refit.buffers import BufferSlots, check_buffer
 from mcore_refit.refit.checksum import DIGEST_WORDS, buffer_checksum, verify_engine_weights
 from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.ipc_memory import gpu_uuid, open_slot, path_of
-from mcore_refit.refit.plan import RefitPlan, Region, TensorSpec, plan_from_json
+from mcore_refit.refit.engines import WeightLoader, load_into
+from mcore_refit.refit.errors import RefitError, RefitTimeout, failed
+from mcore_refit.refit.plan import RefitPlan, plan_from_json
 from mcore_refit.refit.streams import DeviceMemoryProbe, DeviceStreams
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import (
-    RefitError,
-    RefitReceiver,
-    RefitTimeout,
-    WeightLoader,
-    load_into,
-)
-from mcore_refit.refit.wire import (
+from mcore_refit.refit.transports.base import RefitReceiver
+from mcore_refit.refit.transports.colocated.shared_weights import shared_views
+from mcore_refit.refit.transports.ipc_files import gpu_uuid, open_slot, path_of
+from mcore_refit.refit.transports.wire import (
     Ack,
     BufferReady,
     Complete,
@@ -39,7 +35,6 @@ from mcore_refit.refit.wire import (
     Hello,
     Message,
     Ready,
-    SharedTensor,
     ShareWeights,
     Start,
     Started,
@@ -63,18 +58,18 @@ class _RefitState:
     loaded: bytearray
     telemetry: RefitTelemetry
     next_buffer: int = 0
-    failure: str | None = None
+    failure: RefitError | None = None
     first_buffer_at: float | None = None
 
 
-class IpcReceiver(RefitReceiver):
+class ColocatedReceiver(RefitReceiver):
     """Engine end of the colocated transport: connects to the trainer's ``address``.
 
     ``plan=None`` adopts the trainer's plan from its hello; a given plan is checked against it.
     :meth:`receive` serves the trainer's messages until one refit completed.
     """
 
-    transport_name = "ipc"
+    transport_name = "colocated"
 
     def __init__(self, *, address: str, device: torch.device, options: TransportOptions,
                  plan: RefitPlan | None = None) -> None:
@@ -148,12 +143,12 @@ class IpcReceiver(RefitReceiver):
                 self._reply(self._on_weights_ready(message, state, engine))
                 if state.failure is not None:
                     raise RefitError(f"refit {state.refit_index} failed on the engine: "
-                                     f"{state.failure}")
+                                     f"{state.failure}") from state.failure
             elif isinstance(message, BufferReady) and state is not None:
                 self._reply(self._on_buffer(message, state, engine))
                 if state.failure is not None:
                     raise RefitError(f"refit {state.refit_index} failed on the engine: "
-                                     f"{state.failure}")
+                                     f"{state.failure}") from state.failure
             elif isinstance(message, Complete) and state is not None:
                 reply = self._on_complete(message, state, engine)
                 self._reply(reply)
@@ -194,7 +189,7 @@ class IpcReceiver(RefitReceiver):
                                directory=self._socket_path.parent) for handle in message.slots]
             self._release()
             if not message.shares_weights:
-                self._slots = BufferSlots(plan=plan, slots=slots, receiver=True)
+                self._slots = BufferSlots(plan=plan, slots=slots, all_buffers=True)
             self._shares_weights = message.shares_weights
             self._plan = plan
         except (WireError, ValueError, RuntimeError, OSError) as error:
@@ -218,7 +213,7 @@ class IpcReceiver(RefitReceiver):
                         for handle in message.storages]
             shared = []
             for planned, where in zip(plan.tensors, message.tensors, strict=True):
-                shared += _shared_views(storages, where, planned.spec, self._streams.device)
+                shared += shared_views(storages, where, planned.spec, self._streams.device)
         except (WireError, ValueError, RuntimeError, OSError) as error:
             return Error(message=f"cannot map the trainer's weights: {error}")
         self._shared, self._shared_key = shared, message.key
@@ -239,9 +234,9 @@ class IpcReceiver(RefitReceiver):
             self._streams.synchronize(timeout_s=self._options.timeout_s,
                                       what=f"loading refit {state.refit_index}")
             state.telemetry.load_s += time.perf_counter() - state.first_buffer_at
-        except Exception:
-            state.failure = f"loading the shared weights: {traceback.format_exc()}"
-            return Ack(buffer_index=0, ok=False, message=state.failure)
+        except Exception as error:
+            state.failure = failed("loading the shared weights", error)
+            return Ack(buffer_index=0, ok=False, message=str(state.failure))
         for position in range(len(state.loaded)):
             state.loaded[position] = min(state.loaded[position] + 1, 255)
         return Ack(buffer_index=0, ok=True)
@@ -263,10 +258,9 @@ class IpcReceiver(RefitReceiver):
                                        f"{plan.fingerprint[:16]}, the trainer sent "
                                        f"{message.fingerprint[:16]}; build both from the same "
                                        "weight specs and refit config")
-        telemetry = RefitTelemetry(
-            role="receiver", transport=self.transport_name, refit_index=message.refit_index,
-            device=str(self._streams.device), num_tensors=plan.num_tensors,
-            num_buffers=plan.num_buffers, payload_bytes=plan.payload_bytes,
+        telemetry = RefitTelemetry.for_plan(
+            plan, role="receiver", refit_index=message.refit_index, device=self._streams.device,
+            transport="colocated_weights" if self._shares_weights else self.transport_name,
             held_bytes=self._slots.held_bytes if self._slots is not None else 0,
             checksums=message.checksums)
         state = _RefitState(refit_index=message.refit_index, checksums=message.checksums,
@@ -291,9 +285,12 @@ class IpcReceiver(RefitReceiver):
             self._streams.synchronize(timeout_s=self._options.timeout_s,
                                       what=f"loading buffer {index}")
             state.telemetry.load_s += time.perf_counter() - started
-        except Exception:
-            state.failure = f"buffer {index}: {traceback.format_exc()}"
-            return Ack(buffer_index=index, ok=False, message=state.failure)
+        except RefitError as error:  # the buffer's own check: it names the buffer
+            state.failure = error
+            return Ack(buffer_index=index, ok=False, message=str(state.failure))
+        except Exception as error:
+            state.failure = failed(f"buffer {index}", error)
+            return Ack(buffer_index=index, ok=False, message=str(state.failure))
         buffer = plan.buffers[index]
         for position in range(buffer.first_tensor, buffer.stop_tensor):
             state.loaded[position] = min(state.loaded[position] + 1, 255)
@@ -303,16 +300,12 @@ class IpcReceiver(RefitReceiver):
     def _check_slot(self, index: int, state: _RefitState) -> None:
         """Check the in-slot header (and checksum) against the plan."""
         slots = self._slots
-        header = BufferHeader.from_words(slots.header_view(index).tolist())
-        if header.status == BufferStatus.ABORTED:
-            raise ValueError("the trainer aborted this buffer (its source failed)")
-        header.check_expected(plan=self._plan, refit_index=state.refit_index, buffer_index=index)
+        checksum = None
         if state.checksums:
             buffer_checksum(slots.payload_words(index), out=self._device_checksum[0])
-            received = int(self._device_checksum.item())
-            if header.checksum != received:
-                raise ValueError(f"checksum mismatch in buffer {index}: sent {header.checksum}, "
-                                 f"received {received}")
+            checksum = int(self._device_checksum.item())
+        check_buffer(slots.header_view(index).tolist(), plan=self._plan, buffer_index=index,
+                     refit_index=state.refit_index, checksum=checksum)
 
     def _on_complete(self, message: Complete, state: _RefitState,
                      engine: WeightLoader) -> Message:
@@ -366,55 +359,6 @@ class IpcReceiver(RefitReceiver):
             raise RefitTimeout(f"timed out after {self._options.timeout_s:g} s sending a "
                                f"{message.KIND} reply to the trainer at {self.address}")
         self._socket.send_multipart(encode(message), copy=False)
-
-
-def _shared_views(storages: list[torch.UntypedStorage], where: SharedTensor, spec: TensorSpec,
-                  device: torch.device) -> list[tuple[TensorSpec, torch.Tensor]]:
-    """``spec``'s tensor in the trainer's storages: the whole view, or its runs as pieces,
-    each checked to lie inside its storage; the runs must cover the tensor exactly."""
-    if where.storage == -1:
-        if spec.numel:
-            raise ValueError(f"{spec.name}: shared without memory, the plan has "
-                             f"{tuple(spec.shape)}")
-        return [(spec, torch.empty(spec.shape, dtype=spec.dtype, device=device))]
-    if not 0 <= where.storage < len(storages):
-        raise ValueError(f"{spec.name}: storage {where.storage} of {len(storages)}")
-    storage = storages[where.storage]
-    if not where.run_starts:
-        if tuple(where.shape) != tuple(spec.shape):
-            raise ValueError(f"{spec.name}: shared as {where.shape}, the plan has "
-                             f"{tuple(spec.shape)}")
-        return [(spec, _view(storage, where.offset, where, spec))]
-    dim, length = where.dim, where.shape[where.dim] if 0 <= where.dim < len(where.shape) else 0
-    full = spec.shape[dim] if 0 <= dim < len(spec.shape) else -1
-    run_shape = list(spec.shape[:dim]) + [length] + list(spec.shape[dim + 1:])
-    starts = list(where.run_starts)
-    if (tuple(where.shape) != tuple(run_shape) or len(where.run_offsets) != len(starts)
-            or starts != list(range(0, full, length or 1)) or length * len(starts) != full):
-        raise ValueError(f"{spec.name}: {len(starts)} runs of {tuple(where.shape)} along dim "
-                         f"{dim} starting at {starts} do not tile the plan's "
-                         f"{tuple(spec.shape)}")
-    return [(TensorSpec(spec.name, tuple(run_shape), spec.dtype,
-                        region=Region(dim=dim, start=start, full=full)),
-             _view(storage, offset, where, spec))
-            for start, offset in zip(starts, where.run_offsets, strict=True)]
-
-
-def _view(storage: torch.UntypedStorage, offset: int, where: SharedTensor, spec: TensorSpec
-          ) -> torch.Tensor:
-    """The view of ``where``'s shape and stride at ``offset`` in ``storage``, checked to lie
-    inside it."""
-    if len(where.stride) != len(where.shape):
-        raise ValueError(f"{spec.name}: shared as {where.shape} with strides {where.stride}")
-    itemsize = spec.dtype.itemsize
-    last = offset + sum((size - 1) * step for size, step in
-                        zip(where.shape, where.stride, strict=True) if size > 0)
-    if offset < 0 or any(step < 0 for step in where.stride) or (
-            (last + 1) * itemsize > storage.nbytes()):
-        raise ValueError(f"{spec.name}: elements {offset}..{last} lie outside its shared "
-                         f"storage of {storage.nbytes()} bytes")
-    return torch.empty(0, dtype=spec.dtype, device=storage.device).set_(
-        storage, offset, tuple(where.shape), tuple(where.stride))
 
 
 def _mismatch(own: RefitPlan, sent: RefitPlan) -> str:

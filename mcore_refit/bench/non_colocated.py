@@ -1,4 +1,4 @@
-"""The benchmark on a split job: trainer ranks send, inference ranks receive (non-colocated), or
+"""The benchmark on a non-colocated job: trainer ranks send, inference ranks receive, or
 trainer ranks only (``bench.trainer_only``: the export paths alone).
 
 Every rank runs every mode, in order, from :data:`MODES` (what a trainer rank does, what an
@@ -31,26 +31,29 @@ from mcore_refit.bench.results import (
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
 from mcore_refit.control import ControlGroup, Outcome
-from mcore_refit.distributed import SplitJob
+from mcore_refit.non_colocated import NonColocatedJob
 from mcore_refit.refit import (
-    BroadcastInitInfo,
-    BroadcastSender,
+    DeviceStreams,
+    DigestRecorder,
+    GroupCollectives,
+    NonColocatedInitInfo,
     Refitter,
     TensorDictEngine,
+    TransportOptions,
+    create_sender,
     plan_for_source,
+    spec_from_json,
+    spec_to_json,
+    transport_for,
+    verify_engine_weights,
 )
-from mcore_refit.refit.checksum import DigestRecorder, verify_engine_weights
-from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.group import GroupCollectives
-from mcore_refit.refit.plan import spec_from_json, spec_to_json
-from mcore_refit.refit.streams import DeviceStreams
 
 
 @dataclass
-class SplitBench(BenchRank):
-    """One rank's view of a benchmark run on a split job."""
+class NonColocatedBench(BenchRank):
+    """One rank's view of a benchmark run on a non-colocated job."""
 
-    split: SplitJob | None  # None: a trainer-only launch
+    launch: NonColocatedJob | None  # None: a trainer-only launch
     control: ControlGroup  # every rank of the launch
     trainers: ControlGroup  # the trainer ranks
     sources: BenchSources | None  # trainer ranks only
@@ -66,7 +69,7 @@ class SplitBench(BenchRank):
 
     @property
     def is_trainer(self) -> bool:
-        return self.split is None or self.split.is_trainer
+        return self.launch is None or self.launch.is_trainer
 
     def vllm_engine(self) -> VllmBenchEngine:
         if self.vllm is None:
@@ -76,10 +79,10 @@ class SplitBench(BenchRank):
 
     @property
     def rank(self) -> int:
-        return self.split.global_rank if self.split is not None else self.trainers.rank
+        return self.launch.global_rank if self.launch is not None else self.trainers.rank
 
 
-def run_split(bench: SplitBench) -> list[ModeResult] | None:
+def run_non_colocated(bench: NonColocatedBench) -> list[ModeResult] | None:
     """Every mode of ``bench.job.bench.modes`` (a refit mode once per ``bench.fanouts``, named
     ``mode/fanout``); the results on trainer rank 0, else None."""
     results = []
@@ -107,11 +110,11 @@ def run_split(bench: SplitBench) -> list[ModeResult] | None:
 # --- raw link --------------------------------------------------------------------------------
 
 
-def _raw_link(bench: SplitBench, mode: str) -> ModeResult | None:
+def _raw_link(bench: NonColocatedBench, mode: str) -> ModeResult | None:
     """One ``raw_link_bytes`` broadcast from trainer rank 0 over its data group per repetition;
     the slowest member's time. Ranks outside the group wait on the host."""
     size = bench.job.bench.raw_link_bytes
-    group = bench.split.data_groups.get(0)
+    group = bench.launch.data_groups.get(0)
     payload = torch.ones(size, dtype=torch.uint8, device=bench.device) if group else None
     times = []
     for index in bench.repetitions():
@@ -136,14 +139,15 @@ def _raw_link(bench: SplitBench, mode: str) -> ModeResult | None:
 # --- one transfer per tensor -----------------------------------------------------------------
 
 
-def _naive_trainer(bench: SplitBench, mode: str) -> ModeResult:
+def _naive_trainer(bench: NonColocatedBench, mode: str) -> ModeResult:
     """One broadcast per tensor straight from the synthetic set, received into a fresh tensor
     and loaded (what a refit without packing or overlap does)."""
     source = bench.sources.main.source
     specs = source.weight_specs()
     bench.control.broadcast_json([spec_to_json(s) for s in specs], src=0,
                                  what="the naive mode's tensor specs")
-    link = GroupCollectives(group=bench.split.data_groups[0], streams=DeviceStreams(bench.device))
+    link = GroupCollectives(group=bench.launch.data_groups[0],
+                            streams=DeviceStreams(bench.device))
     timeout_s = bench.job.refit.transport.timeout_s
 
     def once(digests: DigestRecorder | None = None) -> None:
@@ -166,11 +170,12 @@ def _naive_trainer(bench: SplitBench, mode: str) -> ModeResult:
                       device=bench.device_name, verified=verified, num_tensors=len(specs))
 
 
-def _naive_receiver(bench: SplitBench, mode: str) -> None:
+def _naive_receiver(bench: NonColocatedBench, mode: str) -> None:
     specs = [spec_from_json(s) for s in bench.control.broadcast_json(
         None, src=0, what="the naive mode's tensor specs")]
     engine = TensorDictEngine.from_specs(specs, device=bench.device)
-    link = GroupCollectives(group=bench.split.data_groups[0], streams=DeviceStreams(bench.device))
+    link = GroupCollectives(group=bench.launch.data_groups[0],
+                            streams=DeviceStreams(bench.device))
     timeout_s = bench.job.refit.transport.timeout_s
 
     def once() -> None:
@@ -192,7 +197,7 @@ def _naive_receiver(bench: SplitBench, mode: str) -> None:
 # --- refits ----------------------------------------------------------------------------------
 
 
-def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
+def _refit_trainer(bench: NonColocatedBench, mode: str) -> ModeResult:
     """Warm-up and timed refits of ``mode``'s source, then one verified refit.
 
     Every step a rank can fail in alone (capturing the source, allocating slots and engines)
@@ -200,17 +205,18 @@ def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
     all ranks leave the mode together and meet at its end-of-mode gather in step; the mode's
     error names the root failure and its rank first (:func:`fold_rows`).
     """
-    job, split = bench.job, bench.split
+    job, launch = bench.job, bench.launch
     source = bench.sources.for_mode(mode)
     plan = plan_for_source(source, config=bench.plan_config(mode), device=bench.device)
     timed, verified, error = [], None, None
     try:
         _in_step(bench, f"capturing the source of {mode}", bench.sources.prepare, mode, plan)
-        sender = BroadcastSender(plan=plan, placement=split.placement, rank=split.global_rank,
-                                 control=bench.control,
-                                 data_group=split.data_groups.get(split.global_rank),
-                                 links=split.links, device=bench.device, options=bench.options,
-                                 cpu_device_id=f"bench{split.global_rank}")
+        sender = create_sender(transport_for("non_colocated", bench.options), plan=plan,
+                               placement=launch.placement, rank=launch.global_rank,
+                               control=bench.control,
+                               data_group=launch.data_groups.get(launch.global_rank),
+                               links=launch.links, device=bench.device, options=bench.options,
+                               cpu_device_id=f"bench{launch.global_rank}")
         with Refitter(source=source, sender=sender) as refitter:
             _in_step(bench, f"preparing the slots and engines of {mode}", refitter.prepare)
             for index in range(bench.num_refits()):
@@ -225,16 +231,16 @@ def _refit_trainer(bench: SplitBench, mode: str) -> ModeResult:
     received, message = fold_rows(
         bench.control.all_gather_json(rank_row([], error),
                                       what=f"the receivers' telemetry of {mode}"),
-        mode=mode, name_of=split.placement.name_of)
+        mode=mode, name_of=launch.placement.name_of)
     return transport_result(mode, plan, timed, received, verified=verified,
                             device=bench.device_name, error=message)
 
 
-def _refit_receiver(bench: SplitBench, mode: str) -> None:
-    split, options = bench.split, bench.options
-    info = BroadcastInitInfo(placement=split.placement, receiver=split.context.rank,
-                             control=bench.control, data_groups=split.data_groups,
-                             links=split.links)
+def _refit_receiver(bench: NonColocatedBench, mode: str) -> None:
+    launch, options = bench.launch, bench.options
+    info = NonColocatedInitInfo(placement=launch.placement, receiver=launch.context.rank,
+                                control=bench.control, data_groups=launch.data_groups,
+                                links=launch.links)
     timed, error = [], None
     try:
         if bench.job.bench.engine == "vllm":
@@ -263,26 +269,26 @@ def _refit_receiver(bench: SplitBench, mode: str) -> None:
                         timed.append(telemetry.as_dict())
     except Exception as failure:  # raised on every rank alike: the trainers report it
         error = failure
-        print(f"bench: inference rank {split.global_rank - split.num_trainer_ranks}: {mode} "
+        print(f"bench: inference rank {launch.global_rank - launch.num_trainer_ranks}: {mode} "
               f"failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
     bench.control.all_gather_json(rank_row(timed, error),
                                   what=f"the receivers' telemetry of {mode}")
 
 
-def _in_step(bench: SplitBench, what: str, action: Callable, *args):
+def _in_step(bench: NonColocatedBench, what: str, action: Callable, *args):
     """``action(*args)`` on this rank, then its outcome shared with every rank of the launch:
     :class:`~mcore_refit.control.RankFailure` on every rank, naming the failing rank, if it
     failed on any."""
     outcome = Outcome.of(action, *args)
     bench.control.share_outcomes(outcome if not outcome.ok else Outcome(ok=True), what=what,
-                                 who=bench.split.placement.name_of)
+                                 who=bench.launch.placement.name_of)
     return outcome.value
 
 
 # --- vLLM's own load -------------------------------------------------------------------------
 
 
-def _floor_trainer(bench: SplitBench, mode: str) -> ModeResult:
+def _floor_trainer(bench: NonColocatedBench, mode: str) -> ModeResult:
     """The slowest inference rank's load of the last refit's tensors by vLLM's loader."""
     rows = [row for row in bench.control.all_gather_json(None, what="vLLM's load floor")
             if row is not None]
@@ -291,7 +297,7 @@ def _floor_trainer(bench: SplitBench, mode: str) -> ModeResult:
                       device=bench.device_name)
 
 
-def _floor_receiver(bench: SplitBench, mode: str) -> None:
+def _floor_receiver(bench: NonColocatedBench, mode: str) -> None:
     times, payload = bench.vllm_engine().load_floor(len(bench.repetitions()))
     bench.control.all_gather_json([times[bench.job.bench.num_warmup:], payload],
                                   what="vLLM's load floor")
@@ -300,11 +306,11 @@ def _floor_receiver(bench: SplitBench, mode: str) -> None:
 # --- the export alone ------------------------------------------------------------------------
 
 
-def _export_trainer(bench: SplitBench, mode: str) -> ModeResult:
+def _export_trainer(bench: NonColocatedBench, mode: str) -> ModeResult:
     return bench.time_export(bench.trainers, bench.sources, mode)
 
 
-def _idle(bench: SplitBench, mode: str) -> None:
+def _idle(bench: NonColocatedBench, mode: str) -> None:
     """An inference rank during a mode that involves the trainer ranks only."""
 
 
@@ -312,8 +318,8 @@ def _idle(bench: SplitBench, mode: str) -> None:
 class Roles:
     """What each kind of rank does in a mode."""
 
-    trainer: Callable[[SplitBench, str], ModeResult | None]
-    receiver: Callable[[SplitBench, str], None]
+    trainer: Callable[[NonColocatedBench, str], ModeResult | None]
+    receiver: Callable[[NonColocatedBench, str], None]
 
 
 MODES: dict[str, Roles] = {

@@ -1,7 +1,7 @@
 """The small exchanges around every refit, over the control plane (host waits, no device work).
 
 - :meth:`RefitRounds.start`: every rank of the refit shows its plan fingerprint and refit index;
-  a mismatch is a :class:`~mcore_refit.refit.transport.RefitError` on every rank before any byte
+  a mismatch is a :class:`~mcore_refit.refit.errors.RefitError` on every rank before any byte
   moves, and every rank learns the switches (checksums, verification) of control rank 0;
 - :meth:`RefitRounds.finish`: every rank's outcome; if any rank failed, every rank raises a
   ``RefitError`` naming the rank and its error (root causes before the timeouts they caused).
@@ -11,15 +11,21 @@ Both are collectives over the control group: call them on every rank of the refi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from mcore_refit.control import ControlError, ControlGroup, Outcome, PeerDied, RankFailure
+from mcore_refit.control import (
+    ControlError,
+    ControlGroup,
+    ControlTimeout,
+    Outcome,
+    PeerDied,
+    RankFailure,
+)
+from mcore_refit.refit.errors import RefitError, RefitTimeout
 from mcore_refit.refit.plan import RefitPlan
-from mcore_refit.refit.transport import RefitError, RefitTimeout
-
-FLAG_CHECKSUMS = 1
-FLAG_VERIFY = 2
 
 
 @dataclass(frozen=True)
@@ -58,32 +64,43 @@ class RefitRounds:
         return Switches(refit_index=first["refit_index"], checksums=first["checksums"],
                         verify=first["verify"])
 
-    def finish(self, failure: BaseException | str | None, *, refit_index: int,
+    def finish(self, failure: BaseException | None, *, refit_index: int,
                timeout_s: float) -> None:
         """Share this rank's outcome; raise :class:`RefitError` everywhere if any rank failed."""
-        if failure is None:
-            outcome = Outcome(ok=True)
-        elif isinstance(failure, BaseException):
-            outcome = Outcome.failed(failure)
-        else:
-            outcome = Outcome(ok=False, error=failure, error_type="RefitError")
-        try:
+        outcome = Outcome(ok=True) if failure is None else _failed_outcome(failure)
+        what = f"sharing the outcome of refit {refit_index}"
+        with _refit_errors(what):
             self._control.share_outcomes(outcome, what=f"refit {refit_index}",
                                          who=self._name_of, timeout_s=timeout_s)
-        except RankFailure as error:
-            raise RefitError(str(error)) from None
-        except PeerDied:
-            raise  # names the dead rank first as it is
-        except ControlError as error:
-            kind = RefitTimeout if "timed out" in str(error) else RefitError
-            raise kind(f"sharing the outcome of refit {refit_index}: {error}") from None
 
     def _all_gather(self, value, *, what: str, timeout_s: float) -> list:
-        try:
+        with _refit_errors(None):
             return self._control.all_gather_json(value, what=what, timeout_s=timeout_s)
-        except PeerDied:
-            raise
-        except ControlError as error:
-            kind = RefitTimeout if "timed out" in str(error) else RefitError
-            raise kind(str(error)) from None
 
+
+def _failed_outcome(failure: BaseException) -> Outcome:
+    """``failure`` as an outcome; a refit error's own message names the failed step (and its
+    cause), so it goes first without its type's name, then the traceback."""
+    outcome = Outcome.failed(failure)
+    if isinstance(failure, RefitError) and outcome.error is not None:
+        error = outcome.error.removeprefix(f"{type(failure).__name__}: ")
+        outcome = dataclasses.replace(outcome, error=error)
+    return outcome
+
+
+@contextmanager
+def _refit_errors(what: str | None) -> Iterator[None]:
+    """Control-plane failures as refit errors, by type: a rank's failure is a
+    :class:`RefitError`, an expired wait a :class:`RefitTimeout`; a dead peer stays
+    :class:`~mcore_refit.control.PeerDied` (it names the dead rank first)."""
+    prefix = f"{what}: " if what else ""
+    try:
+        yield
+    except RankFailure as error:
+        raise RefitError(str(error)) from None
+    except PeerDied:
+        raise
+    except ControlTimeout as error:
+        raise RefitTimeout(f"{prefix}{error}") from None
+    except ControlError as error:
+        raise RefitError(f"{prefix}{error}") from None

@@ -1,4 +1,5 @@
-"""The colocated transport's messages: one frozen dataclass per kind, validated once at decode.
+"""Typed messages of the IPC protocols: the colocated transport's requests and replies, and the
+slot handles both transports hand over. One frozen dataclass per kind, validated once at decode.
 
 One message is one ZMQ multipart message:
 

@@ -1,10 +1,10 @@
 """The engine side of refits, with the call names of vLLM's weight-transfer subsystem.
 
 An inference engine process wraps its model in a
-:class:`~mcore_refit.refit.transport.WeightLoader` (e.g.
+:class:`~mcore_refit.refit.engines.WeightLoader` (e.g.
 :class:`~mcore_refit.refit.engines.HFModelEngine`) and drives a :class:`WeightTransferEndpoint`:
 
-    endpoint.init_weight_transfer_engine(IpcInitInfo(address=...))   # once
+    endpoint.init_weight_transfer_engine(ColocatedInitInfo(address=...))   # once
     endpoint.start_weight_update()                                   # per refit
     endpoint.update_weights()            # blocks until the trainer's refit completed
     endpoint.finish_weight_update(weight_version=step)
@@ -20,42 +20,59 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from mcore_refit.control import ControlGroup
-from mcore_refit.distributed import Placement
-from mcore_refit.refit.broadcast import BroadcastReceiver
 from mcore_refit.refit.config import TransportOptions
-from mcore_refit.refit.ipc_receiver import IpcReceiver
+from mcore_refit.refit.engines import WeightLoader
+from mcore_refit.refit.errors import RefitError
 from mcore_refit.refit.plan import RefitPlan
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError, RefitReceiver, WeightLoader
+from mcore_refit.refit.transports import create_receiver
+from mcore_refit.refit.transports.base import RefitReceiver
+from mcore_refit.refit.transports.non_colocated.placement import Placement
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class IpcInitInfo:
-    """Colocated: the trainer's socket address (``IpcSender.address``)."""
+class _InitInfo:
+    """Init info names its transport (a registry name) and the receiver's own arguments."""
 
+    transport: ClassVar[str]
+
+    def receiver_arguments(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def connect(self, *, device: torch.device, options: TransportOptions,
+                plan: RefitPlan | None) -> RefitReceiver:
+        """The engine end of the transport (not yet prepared)."""
+        return create_receiver(self.transport, device=device, options=options, plan=plan,
+                               **self.receiver_arguments())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColocatedInitInfo(_InitInfo):
+    """Colocated: the trainer's socket address (``ColocatedSender.address``)."""
+
+    transport: ClassVar[str] = "colocated"
     address: str
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or not self.address.startswith("ipc://"):
             raise ValueError(f"init_info.address must be an ipc:// address, got {self.address!r}")
 
-    def connect(self, *, device: torch.device, options: TransportOptions,
-                plan: RefitPlan | None) -> RefitReceiver:
-        return IpcReceiver(address=self.address, device=device, options=options, plan=plan)
+    def receiver_arguments(self) -> dict[str, Any]:
+        return {"address": self.address}
 
 
 @dataclass(frozen=True, kw_only=True)
-class BroadcastInitInfo:
-    """Non-colocated: where this inference rank sits in the split job, and its groups."""
+class NonColocatedInitInfo(_InitInfo):
+    """Non-colocated: where this inference rank sits in the non-colocated job, and its groups."""
 
+    transport: ClassVar[str] = "non_colocated"
     placement: Placement
     # This inference rank's index among the inference ranks.
     receiver: int
@@ -71,31 +88,33 @@ class BroadcastInitInfo:
             raise ValueError(f"init_info.receiver={self.receiver} is not an inference rank of "
                              f"the placement ({self.placement.num_receivers} inference ranks)")
 
-    def connect(self, *, device: torch.device, options: TransportOptions,
-                plan: RefitPlan | None) -> RefitReceiver:
-        return BroadcastReceiver(placement=self.placement, receiver=self.receiver,
-                                 control=self.control, data_groups=self.data_groups,
-                                 device=device, options=options, plan=plan, links=self.links)
+    def receiver_arguments(self) -> dict[str, Any]:
+        return {"placement": self.placement, "receiver": self.receiver, "control": self.control,
+                "data_groups": self.data_groups, "links": self.links}
 
 
-InitInfo = IpcInitInfo | BroadcastInitInfo
+InitInfo = ColocatedInitInfo | NonColocatedInitInfo
+
+# Transports whose init info is plain data (what an engine process receives), by name.
+_PLAIN_INIT_INFO = {"colocated": ColocatedInitInfo, "colocated_weights": ColocatedInitInfo}
 
 
-def init_info_from_dict(data: Mapping[str, Any]) -> IpcInitInfo:
-    """Parse plain-data init info, ``{"transport": "ipc", "address": ...}`` (the form an engine
-    process receives; the broadcast transport's groups are live objects, not data)."""
+def init_info_from_dict(data: Mapping[str, Any]) -> ColocatedInitInfo:
+    """Parse plain-data init info, ``{"transport": "colocated", "address": ...}`` (the form an
+    engine process receives; the non-colocated transport's groups are live objects, not data)."""
     data = dict(data)
     transport = data.pop("transport", None)
-    if transport != "ipc":
-        raise ValueError(f"init_info.transport must be 'ipc' (the broadcast transport takes a "
-                         f"BroadcastInitInfo), got {transport!r}")
+    if transport not in _PLAIN_INIT_INFO:
+        choices = ", ".join(repr(name) for name in _PLAIN_INIT_INFO)
+        raise ValueError(f"init_info.transport must be one of {choices} (the non_colocated "
+                         f"transport takes a NonColocatedInitInfo), got {transport!r}")
     unknown = sorted(set(data) - {"address"})
     if unknown:
-        raise ValueError(f"unknown init_info key '{unknown[0]}' for transport 'ipc' "
+        raise ValueError(f"unknown init_info key '{unknown[0]}' for transport {transport!r} "
                          "(known: address)")
     if "address" not in data:
-        raise ValueError("init_info for transport 'ipc' lacks 'address'")
-    return IpcInitInfo(**data)
+        raise ValueError(f"init_info for transport {transport!r} lacks 'address'")
+    return _PLAIN_INIT_INFO[transport](**data)
 
 
 class WeightTransferEndpoint:
@@ -149,7 +168,7 @@ class WeightTransferEndpoint:
         """Receive one refit into the engine; blocks until the trainer's refit completed.
 
         ``update_info`` is reserved for per-update options and must be empty. Raises
-        :class:`~mcore_refit.refit.transport.RefitError` when the refit failed on any side.
+        :class:`~mcore_refit.refit.errors.RefitError` when the refit failed on any side.
         """
         if not self._updating:
             raise RuntimeError("call start_weight_update before update_weights")

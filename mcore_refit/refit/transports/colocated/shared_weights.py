@@ -11,8 +11,9 @@ synchronises and replies. Verification compares digests as the buffered transpor
 It needs one trainer rank that holds every tensor (colocated TP1/PP1 per engine) and a source
 whose tensors stay valid while referenced (``stable_tensors``: a
 :class:`~mcore_refit.refit.export.ModelExport` whose tensors are all views of parameters);
-anything else is refused with the reason. The messages and socket are those of
-:class:`~mcore_refit.refit.ipc_sender.IpcSender` (:mod:`.wire`).
+anything else is refused with the reason. The engine end maps each tensor from the trainer's
+storages (:func:`shared_views`), checked to lie inside them. The messages and socket are those of
+:class:`~mcore_refit.refit.transports.colocated.sender.ColocatedSender` (:mod:`..wire`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from collections.abc import Sequence
 import torch
 
 from mcore_refit.refit.checksum import DigestRecorder
-from mcore_refit.refit.ipc_memory import describe_storage
-from mcore_refit.refit.ipc_sender import IpcSender
+from mcore_refit.refit.errors import RefitError
 from mcore_refit.refit.plan import RefitPlan
 from mcore_refit.refit.source import Piecewise, RefitPass
+from mcore_refit.refit.specs import Region, TensorSpec
 from mcore_refit.refit.telemetry import RefitTelemetry
-from mcore_refit.refit.transport import RefitError
-from mcore_refit.refit.wire import (
+from mcore_refit.refit.transports.colocated.sender import ColocatedSender
+from mcore_refit.refit.transports.ipc_files import describe_storage
+from mcore_refit.refit.transports.wire import (
     Ack,
     Hello,
     Ready,
@@ -43,13 +45,18 @@ from mcore_refit.refit.wire import (
 )
 
 
-class SharedWeightsSender(IpcSender):
+class _Unshareable(RefitError):
+    """The trainer's tensors cannot be shared in place (this side's failure: the refit is
+    aborted on the engine and raised here)."""
+
+
+class SharedWeightsSender(ColocatedSender):
     """Trainer end of the colocated transport that shares the source's tensors in place.
 
-    Takes :class:`IpcSender`'s arguments; the plan's tensors must all come from ``rank``.
+    Takes :class:`ColocatedSender`'s arguments; the plan's tensors must all come from ``rank``.
     """
 
-    transport_name = "ipc_shared"
+    transport_name = "colocated_weights"
 
     def __init__(self, *, plan: RefitPlan, **kwargs) -> None:
         super().__init__(plan=plan, **kwargs)
@@ -79,19 +86,21 @@ class SharedWeightsSender(IpcSender):
              verify: bool = False) -> RefitTelemetry:
         assert self._hello is not None, "call prepare() before send()"
         plan = self.plan
-        telemetry = RefitTelemetry(
-            role="sender", transport=self.transport_name, refit_index=refit_index,
-            device=str(self._streams.device), num_tensors=plan.num_tensors, num_buffers=0,
-            payload_bytes=plan.payload_bytes, held_bytes=0, checksums=False)
+        telemetry = RefitTelemetry.for_plan(
+            plan, role="sender", transport=self.transport_name, refit_index=refit_index,
+            device=self._streams.device, held_bytes=0, num_buffers=0)
         start = time.perf_counter()
         self._memory.start()
         started = self._start(refit_index=refit_index, verify=verify)
         exported = time.perf_counter()
-        tensors, failure = self._tensors(refit_pass)
-        telemetry.export_s = time.perf_counter() - exported
+        failure: _Unshareable | None = None
         engine_failure: RefitError | None = None
-        if failure is None:
-            failure = self._share_if_moved(tensors, started.shared_key, refit_index=refit_index)
+        try:
+            tensors = self._tensors(refit_pass)
+            telemetry.export_s = time.perf_counter() - exported
+            self._share_if_moved(tensors, started.shared_key, refit_index=refit_index)
+        except _Unshareable as error:
+            failure = error
         if failure is None:
             engine_failure = self._load(refit_index, telemetry)
         digests = None
@@ -105,14 +114,14 @@ class SharedWeightsSender(IpcSender):
                             engine_failure=engine_failure, digests=digests, verify=verify,
                             telemetry=telemetry, started=start)
 
-    def _tensors(self, refit_pass: RefitPass
-                 ) -> tuple[list[torch.Tensor | Piecewise], str | None]:
+    def _tensors(self, refit_pass: RefitPass) -> list[torch.Tensor | Piecewise]:
         """The pass's tensors in plan order, checked against the plan (those the last refit
-        already checked pass as they are); or why they cannot be shared in place."""
+        already checked pass as they are); :class:`_Unshareable` says why they cannot be
+        shared in place."""
         if not refit_pass.stable_tensors:
-            return [], ("refit.transport.ipc_sharing=weights needs a source whose tensors stay "
-                        "valid while referenced (views of the parameters); this source makes "
-                        "them one at a time: use ipc_sharing=buffers")
+            raise _Unshareable("refit.transport.ipc_sharing=weights needs a source whose tensors "
+                               "stay valid while referenced (views of the parameters); this "
+                               "source makes them one at a time: use ipc_sharing=buffers")
         tensors: list[torch.Tensor | Piecewise] = []
         checked = self._checked
         weights = refit_pass.own_weights()
@@ -124,42 +133,42 @@ class SharedWeightsSender(IpcSender):
                 continue
             spec = planned.spec
             if not isinstance(tensor, (torch.Tensor, Piecewise)) or name != spec.name:
-                return [], (f"expected {spec.name!r} (plan position {planned.index}), the "
-                            f"source gave {name!r}")
+                raise _Unshareable(f"expected {spec.name!r} (plan position {planned.index}), "
+                                   f"the source gave {name!r}")
             if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
-                return [], (f"{name}: the source gave {tuple(tensor.shape)} {tensor.dtype}, the "
-                            f"plan has {tuple(spec.shape)} {spec.dtype}")
+                raise _Unshareable(f"{name}: the source gave {tuple(tensor.shape)} "
+                                   f"{tensor.dtype}, the plan has {tuple(spec.shape)} "
+                                   f"{spec.dtype}")
             devices = {t.device for t in _views(tensor)}
             if devices - {self._streams.device}:
-                return [], (f"{name} is on {', '.join(map(str, devices))}, the refit on "
-                            f"{self._streams.device}")
+                raise _Unshareable(f"{name} is on {', '.join(map(str, devices))}, the refit on "
+                                   f"{self._streams.device}")
             tensors.append(tensor)
         extra = next(weights, None)
         if extra is not None:
-            return [], (f"the weight source yielded more than the plan's tensors (next: "
-                        f"{extra[0]!r}); rebuild the plan when the model changes")
+            raise _Unshareable(f"the weight source yielded more than the plan's tensors (next: "
+                               f"{extra[0]!r}); rebuild the plan when the model changes")
         self._checked = tensors
-        return tensors, None
+        return tensors
 
     def _share_if_moved(self, tensors: list[torch.Tensor | Piecewise], engine_key: str | None,
-                        *, refit_index: int) -> str | None:
-        """Share the tensors' memory again unless the engine holds it mapped as it is now; why
-        not, if it cannot be described."""
+                        *, refit_index: int) -> None:
+        """Share the tensors' memory again unless the engine holds it mapped as it is now
+        (:class:`_Unshareable` if it cannot be described)."""
         if not _same_objects(tensors, self._described):
             try:
                 self._layout_key, self._storages, self._layout = _layout(tensors, self.plan)
             except ValueError as error:
-                return f"cannot share the weights with the engine: {error}"
+                raise _Unshareable(f"cannot share the weights with the engine: {error}") from None
             # Held, so the memory under them stays theirs: the same objects, the same layout.
             self._described = tensors
-        if self._layout_key == engine_key:
-            return None
-        return self._share(self._layout_key, self._storages, self._layout, refit_index=refit_index)
+        if self._layout_key != engine_key:
+            self._share(self._layout_key, self._storages, self._layout, refit_index=refit_index)
 
     def _share(self, key: str, storages: list[torch.Tensor], layout: list[SharedTensor], *,
-               refit_index: int) -> str | None:
-        """Have the engine map ``storages``; why not, if this side cannot describe them (an
-        engine that refuses raises)."""
+               refit_index: int) -> None:
+        """Have the engine map ``storages`` (:class:`_Unshareable` if this side cannot describe
+        them; an engine that refuses raises :class:`RefitError`)."""
         handles: list[SlotHandle] = []
         blobs: list[bytes] = []
         for tensor in storages:
@@ -167,14 +176,13 @@ class SharedWeightsSender(IpcSender):
                 handle, own = describe_storage(tensor, directory=self._dir,
                                                first_blob=len(blobs))
             except ValueError as error:
-                return f"cannot share the weights with the engine: {error}"
+                raise _Unshareable(f"cannot share the weights with the engine: {error}") from None
             handles.append(handle)
             blobs.extend(own)
         self._request(ShareWeights(key=key, storages=tuple(handles), tensors=tuple(layout),
                                    blobs=tuple(blobs)), Ready,
                       timeout_s=self._options.timeout_s,
                       what=f"the engine's mapping of the weights (refit {refit_index})")
-        return None
 
     def _load(self, refit_index: int, telemetry: RefitTelemetry) -> RefitError | None:
         """Once the weights are final, have the engine load them; the error it reports."""
@@ -249,8 +257,53 @@ def _runs(name: str, tensor: Piecewise, index_of) -> SharedTensor:
                         run_offsets=tuple(r.storage_offset() for r in tensor.runs))
 
 
-def colocated_sender(*, plan: RefitPlan, options, **kwargs) -> IpcSender:
-    """The colocated sender ``options.ipc_sharing`` asks for (same arguments as
-    :class:`IpcSender`)."""
-    cls = SharedWeightsSender if options.ipc_sharing == "weights" else IpcSender
-    return cls(plan=plan, options=options, **kwargs)
+# --- the engine end: the trainer's tensors mapped in place ------------------------------
+
+
+def shared_views(storages: list[torch.UntypedStorage], where: SharedTensor, spec: TensorSpec,
+                  device: torch.device) -> list[tuple[TensorSpec, torch.Tensor]]:
+    """``spec``'s tensor in the trainer's storages: the whole view, or its runs as pieces,
+    each checked to lie inside its storage; the runs must cover the tensor exactly."""
+    if where.storage == -1:
+        if spec.numel:
+            raise ValueError(f"{spec.name}: shared without memory, the plan has "
+                             f"{tuple(spec.shape)}")
+        return [(spec, torch.empty(spec.shape, dtype=spec.dtype, device=device))]
+    if not 0 <= where.storage < len(storages):
+        raise ValueError(f"{spec.name}: storage {where.storage} of {len(storages)}")
+    storage = storages[where.storage]
+    if not where.run_starts:
+        if tuple(where.shape) != tuple(spec.shape):
+            raise ValueError(f"{spec.name}: shared as {where.shape}, the plan has "
+                             f"{tuple(spec.shape)}")
+        return [(spec, view_in(storage, where.offset, where, spec))]
+    dim, length = where.dim, where.shape[where.dim] if 0 <= where.dim < len(where.shape) else 0
+    full = spec.shape[dim] if 0 <= dim < len(spec.shape) else -1
+    run_shape = list(spec.shape[:dim]) + [length] + list(spec.shape[dim + 1:])
+    starts = list(where.run_starts)
+    if (tuple(where.shape) != tuple(run_shape) or len(where.run_offsets) != len(starts)
+            or starts != list(range(0, full, length or 1)) or length * len(starts) != full):
+        raise ValueError(f"{spec.name}: {len(starts)} runs of {tuple(where.shape)} along dim "
+                         f"{dim} starting at {starts} do not tile the plan's "
+                         f"{tuple(spec.shape)}")
+    return [(TensorSpec(spec.name, tuple(run_shape), spec.dtype,
+                        region=Region(dim=dim, start=start, full=full)),
+             view_in(storage, offset, where, spec))
+            for start, offset in zip(starts, where.run_offsets, strict=True)]
+
+
+def view_in(storage: torch.UntypedStorage, offset: int, where: SharedTensor, spec: TensorSpec
+          ) -> torch.Tensor:
+    """The view of ``where``'s shape and stride at ``offset`` in ``storage``, checked to lie
+    inside it."""
+    if len(where.stride) != len(where.shape):
+        raise ValueError(f"{spec.name}: shared as {where.shape} with strides {where.stride}")
+    itemsize = spec.dtype.itemsize
+    last = offset + sum((size - 1) * step for size, step in
+                        zip(where.shape, where.stride, strict=True) if size > 0)
+    if offset < 0 or any(step < 0 for step in where.stride) or (
+            (last + 1) * itemsize > storage.nbytes()):
+        raise ValueError(f"{spec.name}: elements {offset}..{last} lie outside its shared "
+                         f"storage of {storage.nbytes()} bytes")
+    return torch.empty(0, dtype=spec.dtype, device=storage.device).set_(
+        storage, offset, tuple(where.shape), tuple(where.stride))

@@ -1,0 +1,111 @@
+"""Bounded broadcasts over one process group: the data link of the non-colocated transport, and
+of a colocated refit with several trainer ranks.
+
+Everything here is collective: call on every rank of the group, in the same order.
+
+Timeouts: on CPU (gloo) every wait is ``Work.wait(timeout)``; on GPU (NCCL) the host polls a CUDA
+event recorded after the collective. An NCCL collective that never completes stays queued on
+its stream after our timeout: the process group is then unusable and must be torn down, and the
+group's own timeout (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``), enforced by
+NCCL's watchdog, must be at least ``refit.start_timeout_s`` or it aborts first.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mcore_refit.control import is_gloo_timeout
+from mcore_refit.refit.errors import RefitError, RefitTimeout
+from mcore_refit.refit.streams import DeviceStreams
+
+
+@dataclass
+class PendingTransfer:
+    """An asynchronous broadcast: the gloo work (CPU) or a CUDA event after it (GPU)."""
+
+    work: dist.Work | None
+    done: torch.cuda.Event | None
+    what: str
+
+    def wait_host(self, streams: DeviceStreams, *, timeout_s: float) -> None:
+        """Block the host until the transfer completed (bounded)."""
+        if self.done is not None:
+            streams.host_wait(self.done, timeout_s=timeout_s, what=self.what)
+        elif self.work is not None:
+            _wait_work(self.work, timeout_s=timeout_s, what=self.what)
+        self.work = None
+
+    def wait_stream(self, streams: DeviceStreams, *, timeout_s: float) -> None:
+        """Order the current stream after the transfer (GPU); block until done (CPU)."""
+        if self.done is not None:
+            streams.stream_wait(self.done)
+        else:
+            self.wait_host(streams, timeout_s=timeout_s)
+
+
+class GroupCollectives:
+    """Broadcasts over ``group`` with explicit group ranks and bounded waits.
+
+    Collectives are issued through the group object's own methods, so ``group`` may be a group
+    of the default world (``dist.new_group``, None for the world itself) or a standalone process
+    group built from a store outside it (as non-colocated jobs do).
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup | None, streams: DeviceStreams) -> None:
+        if group is None:
+            group = dist.group.WORLD
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError("this process is not a member of the refit process group")
+        self.group = group
+        self.streams = streams
+        self.rank = group.rank()
+        self.size = group.size()
+
+    def broadcast_async(self, tensor: torch.Tensor, *, src_rank: int, what: str,
+                        stream: torch.cuda.Stream | None = None,
+                        done: torch.cuda.Event | None = None) -> PendingTransfer:
+        """Start broadcasting ``tensor`` from group rank ``src_rank``.
+
+        GPU: the broadcast is issued from ``stream`` (NCCL waits for the work queued there so
+        far), and ``done`` is recorded on ``stream`` once NCCL finished (``work.wait()`` only
+        orders the stream; the host never blocks here).
+        """
+        options = dist.BroadcastOptions()
+        options.rootRank = src_rank
+        return self._issue(lambda: self.group.broadcast([tensor], options), what=what,
+                           stream=stream, done=done)
+
+    def _issue(self, start, *, what: str, stream: torch.cuda.Stream | None,
+               done: torch.cuda.Event | None) -> PendingTransfer:
+        if not self.streams.is_cuda:
+            return PendingTransfer(work=start(), done=None, what=what)
+        done = done if done is not None else self.streams.new_event()
+        with self.streams.use(stream):
+            work = start()
+            work.wait()
+            self.streams.record(done)
+        return PendingTransfer(work=None, done=done, what=what)
+
+    def broadcast(self, tensor: torch.Tensor, *, src_rank: int, what: str,
+                  timeout_s: float) -> None:
+        self.broadcast_async(tensor, src_rank=src_rank, what=what).wait_host(
+            self.streams, timeout_s=timeout_s)
+
+
+
+def _wait_work(work: dist.Work, *, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        text = str(error)
+        if is_gloo_timeout(error):
+            raise RefitTimeout(
+                f"timed out after {timeout_s:g} s waiting for {what}: {text}") from None
+        raise RefitError(
+            f"{what} failed (a peer died or closed the group?): {text}") from None
+
+

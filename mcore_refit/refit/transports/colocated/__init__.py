@@ -1,0 +1,1 @@
+"""Colocated transport: the trainer and its inference engine process share one device."""
