@@ -20,6 +20,7 @@ from mcore_refit.refit.config import (
 )
 from mcore_refit.refit.endpoint import (
     ColocatedInitInfo,
+    EngineEndpoint,
     NonColocatedInitInfo,
     WeightTransferEndpoint,
     init_info_from_dict,
@@ -71,6 +72,7 @@ __all__ = [
     "DeviceMemoryProbe",
     "DeviceStreams",
     "DigestRecorder",
+    "EngineEndpoint",
     "Fanout",
     "GroupCollectives",
     "HFModelEngine",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -51,6 +52,18 @@ class _InitInfo:
         """The engine end of the transport (not yet prepared)."""
         return create_receiver(self.transport, device=device, options=options, plan=plan,
                                **self.receiver_arguments())
+
+    def open(self, *, device: torch.device, options: TransportOptions,
+             plan: RefitPlan | None) -> RefitReceiver:
+        """The engine end of the transport, prepared (for ``non_colocated`` a collective with
+        the trainer's ``prepare()``); closed again if preparing fails."""
+        receiver = self.connect(device=device, options=options, plan=plan)
+        try:
+            receiver.prepare()
+        except BaseException:
+            receiver.close()
+            raise
+        return receiver
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,16 +130,21 @@ def init_info_from_dict(data: Mapping[str, Any]) -> ColocatedInitInfo:
     return _PLAIN_INIT_INFO[transport](**data)
 
 
-class WeightTransferEndpoint:
-    """Engine-side control surface for refits. Owns its transport: call :meth:`close`."""
+class EngineEndpoint(ABC):
+    """The engine side's calls, in vLLM's names and order, whatever carries them: connect once
+    (:meth:`init_weight_transfer_engine`), then per refit :meth:`start_weight_update`,
+    :meth:`update_weights`, :meth:`finish_weight_update`. Keeps the weight version and refuses
+    to label an update that failed. Subclasses say how each call reaches the receiver."""
 
-    def __init__(self, *, engine: WeightLoader, device: torch.device, options: TransportOptions,
+    # Whose weights a failed update leaves partial, in its error.
+    weights_owner: ClassVar[str] = "the engine's"
+
+    def __init__(self, *, device: torch.device, options: TransportOptions,
                  plan: RefitPlan | None = None) -> None:
-        self._engine = engine
         self._device = torch.device(device)
         self._options = options
         self._plan = plan
-        self._receiver: RefitReceiver | None = None
+        self._connected = False
         self._updating = False
         self._failed = False
         self._weight_version: int | None = None
@@ -138,48 +156,46 @@ class WeightTransferEndpoint:
         return self._weight_version
 
     @property
+    @abstractmethod
     def plan(self) -> RefitPlan | None:
-        return self._receiver.plan if self._receiver is not None else self._plan
+        """The plan in use (the given one until the trainer sent its own)."""
 
     def init_weight_transfer_engine(self, init_info: InitInfo | Mapping[str, Any]) -> None:
-        """Connect the transport. For ``broadcast`` this is a collective with the trainer's
+        """Connect the transport. For ``non_colocated`` this is a collective with the trainer's
         ``prepare()``: call it on every inference rank while the trainer prepares."""
-        if self._receiver is not None:
+        if self._connected:
             raise RuntimeError("init_weight_transfer_engine was already called")
         if isinstance(init_info, Mapping):
             init_info = init_info_from_dict(init_info)
-        receiver = init_info.connect(device=self._device, options=self._options, plan=self._plan)
-        try:
-            receiver.prepare()
-        except BaseException:
-            receiver.close()
-            raise
-        self._receiver = receiver
+        self._connect(init_info)
+        self._connected = True
 
     def start_weight_update(self) -> None:
         """Mark the start of an update (the engine should stop serving requests now)."""
-        if self._receiver is None:
+        if not self._connected:
             raise RuntimeError("call init_weight_transfer_engine before start_weight_update")
         if self._updating:
             raise RuntimeError("a weight update is already in progress")
+        self._begin()
         self._updating, self._failed = True, False
 
     def update_weights(self, update_info: Mapping[str, Any] | None = None) -> RefitTelemetry:
         """Receive one refit into the engine; blocks until the trainer's refit completed.
 
         ``update_info`` is reserved for per-update options and must be empty. Raises
-        :class:`~mcore_refit.refit.errors.RefitError` when the refit failed on any side.
+        :class:`~mcore_refit.refit.errors.RefitError` when the refit failed on any side (the
+        engine then holds partly old weights and keeps its previous version label).
         """
         if not self._updating:
             raise RuntimeError("call start_weight_update before update_weights")
         if update_info:
             raise ValueError(f"unknown update_info key '{sorted(update_info)[0]}'")
         try:
-            self.last_telemetry = self._receiver.receive(self._engine)
+            self.last_telemetry = self._receive()
         except BaseException:
             self._failed = True
             raise
-        logger.info("refit %s", json.dumps(self.last_telemetry.as_dict()))
+        logger.info("refit %s%s", json.dumps(self.last_telemetry.as_dict()), self._log_figures())
         return self.last_telemetry
 
     def finish_weight_update(self, weight_version: int) -> None:
@@ -188,17 +204,72 @@ class WeightTransferEndpoint:
             raise RuntimeError("finish_weight_update without start_weight_update")
         self._updating = False
         if self._failed:
-            raise RefitError(f"the update to weight version {weight_version} failed; the "
-                             "engine's weights are partial and keep their previous version label")
+            raise RefitError(f"the update to weight version {weight_version} failed; "
+                             f"{self.weights_owner} weights are partial and keep their previous "
+                             "version label")
+        self._finish()
         self._weight_version = weight_version
 
     def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
+        """Disconnect the receiver (the engine keeps running). Idempotent."""
+        if self._connected:
+            self._disconnect()
+            self._connected = False
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    # --- how each call reaches the receiver ---------------------------------------------------
+
+    @abstractmethod
+    def _connect(self, init_info: InitInfo) -> None:
+        """Connect and prepare the receiver (or raise, leaving nothing connected)."""
+
+    def _begin(self) -> None:
+        """The engine's own start of an update (none by default)."""
+        return None
+
+    @abstractmethod
+    def _receive(self) -> RefitTelemetry:
+        """One whole refit into the engine."""
+
+    def _finish(self) -> None:
+        """The engine's own end of a successful update (none by default)."""
+        return None
+
+    @abstractmethod
+    def _disconnect(self) -> None:
+        """Close the receiver."""
+
+    def _log_figures(self) -> str:
+        """The engine's own figures of the last refit, for its log line (none by default)."""
+        return ""
+
+
+class WeightTransferEndpoint(EngineEndpoint):
+    """Engine-side control surface for refits into ``engine``, in this process. Owns its
+    transport: call :meth:`close`."""
+
+    def __init__(self, *, engine: WeightLoader, device: torch.device, options: TransportOptions,
+                 plan: RefitPlan | None = None) -> None:
+        super().__init__(device=device, options=options, plan=plan)
+        self._engine = engine
+        self._receiver: RefitReceiver | None = None
+
+    @property
+    def plan(self) -> RefitPlan | None:
+        return self._receiver.plan if self._receiver is not None else self._plan
+
+    def _connect(self, init_info: InitInfo) -> None:
+        self._receiver = init_info.open(device=self._device, options=self._options,
+                                        plan=self._plan)
+
+    def _receive(self) -> RefitTelemetry:
+        return self._receiver.receive(self._engine)
+
+    def _disconnect(self) -> None:
+        self._receiver.close()
+        self._receiver = None

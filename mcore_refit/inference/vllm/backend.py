@@ -92,14 +92,8 @@ class RefitBackend(WeightTransferEngine[RefitInitRequest, RefitUpdateRequest]):
         """Connect the receiver (for a broadcast: collective with the trainers' prepare)."""
         if self._receiver is not None:
             raise RuntimeError("the mcore_refit weight transfer is already initialised")
-        receiver = init_info.transport.connect(device=self.device, options=init_info.options,
-                                               plan=init_info.plan)
-        try:
-            receiver.prepare()
-        except BaseException:
-            receiver.close()
-            raise
-        self._receiver = receiver
+        self._receiver = init_info.transport.open(device=self.device, options=init_info.options,
+                                                  plan=init_info.plan)
         self._timeout_s = init_info.options.timeout_s
 
     def start_weight_update(self) -> None:
