@@ -87,7 +87,7 @@ class VllmBenchEngine:
 
     def transfer(self, options: TransportOptions | None = None):
         """A ``VllmWeightTransfer`` into this engine, receiving with ``options`` (this engine's
-        by default; a split benchmark passes the running mode's fan-out)."""
+        by default; a non-colocated benchmark passes the running mode's fan-out)."""
         from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
 
         return VllmWeightTransfer(self.llm, device=self.device,

@@ -21,7 +21,7 @@ from mcore_refit.grpo.loop import check_same_optimizer, run_grpo
 from mcore_refit.grpo.memory import check_grpo_memory
 from mcore_refit.grpo.preflight import check_model_and_data
 from mcore_refit.grpo.protocol import Rollouts
-from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
+from mcore_refit.grpo.rollouts import ColocatedRollouts, NonColocatedRollouts, serve_inference
 from mcore_refit.grpo.rundir import RunDirectory
 from mcore_refit.inference.engine import pad_token_id
 from mcore_refit.interrupts import StopSignals
@@ -167,7 +167,7 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
             job.context.control_group, config,
             peers=peers.among(range(job.num_trainer_ranks)) if peers else None)
         source = policy.weight_source(control=trainers, prefer=prefer)
-        rollouts = DedicatedRollouts(config=config, job=job, source=source)
+        rollouts = NonColocatedRollouts(config=config, job=job, source=source)
         summary = train_and_close(config, policy, rollouts, pad_token_id, job.context.device,
                                   trainers, resume)
         failed = False

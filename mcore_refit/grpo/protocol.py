@@ -2,8 +2,8 @@
 
 The loop (:mod:`mcore_refit.grpo.loop`) calls these four methods and nothing else. The two
 backends in :mod:`mcore_refit.grpo.rollouts` implement them: engines colocated with the trainer
-ranks (:class:`~mcore_refit.grpo.rollouts.ColocatedRollouts`) and the inference ranks of a split
-job (:class:`~mcore_refit.grpo.rollouts.DedicatedRollouts`).
+ranks (:class:`~mcore_refit.grpo.rollouts.ColocatedRollouts`) and the inference ranks of a
+non-colocated job (:class:`~mcore_refit.grpo.rollouts.NonColocatedRollouts`).
 
 An external engine plugs in the same way. A vLLM server, for instance, already exposes the four
 calls our engine side mirrors (``init_weight_transfer_engine``, ``start_weight_update``,
@@ -13,7 +13,7 @@ with the sampler's per-token logprobs; :meth:`Rollouts.refit` drives a
 :class:`~mcore_refit.refit.Refitter` whose sender speaks the server's weight-transfer protocol
 (for example a :class:`~mcore_refit.refit.NonColocatedSender` over a process group the server
 joins in ``init_weight_transfer_engine``) and returns the sender's
-:class:`~mcore_refit.refit.telemetry.RefitTelemetry`; :meth:`Rollouts.release` asks the server
+:class:`~mcore_refit.refit.RefitTelemetry`; :meth:`Rollouts.release` asks the server
 to sleep (or does nothing on dedicated GPUs).
 
 Every method is a collective over the trainer ranks: call on every trainer rank, same order; a

@@ -7,7 +7,7 @@ and gets the same completions, or the same error naming the rank where it starte
 
 - :class:`ColocatedRollouts`: every trainer rank spawns an engine process on its own device and
   refits it over ZMQ + CUDA IPC (shared memory on CPU); prompts are split over trainer ranks;
-- :class:`DedicatedRollouts`: trainer rank 0 drives the inference ranks of a
+- :class:`NonColocatedRollouts`: trainer rank 0 drives the inference ranks of a
   :class:`~mcore_refit.non_colocated.NonColocatedJob` with JSON commands, and every trainer rank
   sends the buffers it exports to them; :func:`serve_inference` is the inference ranks' side.
 
@@ -172,7 +172,7 @@ class ColocatedRollouts:
                 self.engine.close()
 
 
-class DedicatedRollouts:
+class NonColocatedRollouts:
     """Trainer side of a non-colocated job: trainer rank 0 drives the inference ranks, and every
     trainer rank sends the refit buffers it exports."""
 

@@ -36,7 +36,7 @@ from tests.tensors import bits
 
 
 class _RelayJob(_Job):
-    """A hand-built split job with the relay's links: a two-rank group per direction."""
+    """A hand-built non-colocated job with the relay's links: a two-rank group per direction."""
 
     def __init__(self, rank: int, *, trainers: int, receivers: int) -> None:
         super().__init__(rank, trainers=trainers, receivers=receivers)

@@ -21,7 +21,7 @@ from mcore_refit.grpo.console import Console
 from mcore_refit.grpo.metrics import MetricsWriter, read_metrics, refit_metrics
 from mcore_refit.grpo.plot import moving_average, plot_metrics, reward_limits
 from mcore_refit.grpo.protocol import Rollouts
-from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts
+from mcore_refit.grpo.rollouts import ColocatedRollouts, NonColocatedRollouts
 from mcore_refit.refit import RefitTelemetry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,7 +237,7 @@ def test_plot_recipe_writes_the_png_of_a_run_directory(tmp_path):
     assert "no metrics.jsonl in" in missing.stderr
 
 
-@pytest.mark.parametrize("backend", [ColocatedRollouts, DedicatedRollouts])
+@pytest.mark.parametrize("backend", [ColocatedRollouts, NonColocatedRollouts])
 def test_both_backends_implement_the_rollouts_protocol(backend):
     for name in ("generate", "release", "refit", "close"):
         expected = inspect.signature(getattr(Rollouts, name))

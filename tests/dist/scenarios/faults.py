@@ -112,7 +112,7 @@ def faulty_colocated(fault: str, out: Path):
 
 
 def faulty_dedicated(fault: str, out: Path):
-    class FaultyDedicated(rollouts.DedicatedRollouts):
+    class FaultyDedicated(rollouts.NonColocatedRollouts):
         def __init__(self, *, source, job, **kwargs) -> None:
             self._version = 0
             self._victim = job.context.rank == 1
@@ -164,7 +164,7 @@ def main() -> int:
     local = dict(local_rank=int(os.environ["LOCAL_RANK"]),
                  local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
     distributed.shutdown = timed("shutdown", distributed.shutdown)
-    for backend in (rollouts.ColocatedRollouts, rollouts.DedicatedRollouts):
+    for backend in (rollouts.ColocatedRollouts, rollouts.NonColocatedRollouts):
         backend.close = timed("close", backend.close)
     try:
         with StopSignals(announce=rank == 0) as stops:
@@ -174,7 +174,7 @@ def main() -> int:
                                   job_id=args.job_id or f"faults-{os.environ['MASTER_PORT']}",
                                   resume=False, stops=stops)
             else:
-                job.DedicatedRollouts = faulty_dedicated(args.fault, args.out)
+                job.NonColocatedRollouts = faulty_dedicated(args.fault, args.out)
                 if args.fault == "inference_broadcast":
                     arm_inference_rank(args.out)
                 job.run_non_colocated(config, rank=rank, world_size=world_size, **local,

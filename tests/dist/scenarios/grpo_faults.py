@@ -31,7 +31,7 @@ from mcore_refit import distributed, non_colocated
 from mcore_refit.config import load_config
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.grpo.job import build_trainer, train, trainer_control
-from mcore_refit.grpo.rollouts import ColocatedRollouts, DedicatedRollouts, serve_inference
+from mcore_refit.grpo.rollouts import ColocatedRollouts, NonColocatedRollouts, serve_inference
 from mcore_refit.refit import RefitTelemetry
 
 # Short enough that a rank left waiting in a collective fails the test quickly, long enough for
@@ -97,7 +97,7 @@ class ConnectFailingRollouts(ColocatedRollouts):
         super()._connect(**kwargs)
 
 
-class MisnamingRollouts(DedicatedRollouts):
+class MisnamingRollouts(NonColocatedRollouts):
     """Trainer rank 0's export misnames its first tensor in the refit to ``weight_version``."""
 
     def __init__(self, *, source, weight_version: int, **kwargs) -> None:

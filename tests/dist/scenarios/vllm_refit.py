@@ -118,7 +118,7 @@ def main() -> None:
 # --- non-colocated ------------------------------------------------------------------------------
 
 def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
-    """A trainer rank of the split job: refits, then Bridge's export for the check."""
+    """A trainer rank of the non-colocated job: refits, then Bridge's export for the check."""
     trainers = dist.new_group(backend="gloo")
     try:
         model = build(path, parallel, job.context.device)

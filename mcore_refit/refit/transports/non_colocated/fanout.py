@@ -96,7 +96,7 @@ class RelayFanout:
         missing = [link for link in needed if link not in links]
         if missing:
             raise ValueError(f"refit.transport.fanout=relay: {placement.name_of(me)} lacks the "
-                             f"links {missing} (build the split job with fanout='relay')")
+                             f"links {missing} (build the non-colocated job with fanout='relay')")
         self._links = {link: GroupCollectives(group=links[link], streams=streams)
                        for link in needed}
         # On the CPU a forward reads what the receive wrote: it waits for it on the host.
