@@ -2,21 +2,21 @@
 # The Megatron Qwen3-30B-A3B preset (random bf16 weights, 128 experts, top-8) refitted on 2 GPUs
 # with NVLink at expert parallelism 2 (each trainer
 # rank holds 64 experts of every layer and sends them itself):
-#   split_ep2      2 trainer ranks (GPU0, GPU1) -> 1 inference rank on GPU1, NCCL broadcast;
-#   colocated_ep2  2 ranks, each trains and refits its own engine on its GPU over CUDA IPC;
-#   colocated_shared  1 rank, EP1, the engine reading the trainer's own tensors (shared_weights
-#                  needs one trainer rank per engine), with RUNS=colocated_shared on one GPU.
+#   non_colocated_ep2  2 trainer ranks (GPU0, GPU1) -> 1 inference rank on GPU1, NCCL broadcast;
+#   colocated_ep2      2 ranks, each trains and refits its own engine on its GPU over CUDA IPC;
+#   colocated_shared   1 rank, EP1, the engine reading the trainer's own tensors (shared_weights
+#                      needs one trainer rank per engine), with RUNS=colocated_shared on one GPU.
 # Every mode verified bit for bit; the summary line compares the refit with transport_alone (the
 # same bytes from tensors already in memory). Full depth (48 layers) where the GPUs hold it
 # (>= 120 GiB each: H200s), else 24 layers; each JSON line's "model" says which.
-# LAYERS=N forces the depth; RUNS="split_ep2" runs those rows only.
+# LAYERS=N forces the depth; RUNS="non_colocated_ep2" runs those rows only.
 # Results under $OUT/refit_moe: bench.jsonl, summaries.jsonl, rc.txt, errors.txt.
 set -u
 BUDGET_S=${BUDGET_S:-585}
 source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
 D=$OUT/refit_moe; mkdir -p "$D"
 port=29770
-RUNS=${RUNS:-split_ep2 colocated_ep2}
+RUNS=${RUNS:-non_colocated_ep2 colocated_ep2}
 CONFIG=${CONFIG:-configs/refit_bench.yaml}  # CONFIG=configs/refit_bench_cpu.yaml: a dry run on CPU
 PRESET=${PRESET:-qwen3_30b_a3b}             # PRESET=tiny_qwen3_moe: a dry run on CPU
 LAYERS=${LAYERS:-$(python3 -c 'import torch
@@ -30,7 +30,7 @@ bench() {  # bench NAME LIMIT NPROC [overrides...]: the preset at $LAYERS layers
     megatron.num_layers="$LAYERS" megatron.dtype=bfloat16 "$@"
 }
 
-bench split_ep2 280 3 bench.num_trainer_ranks=2 megatron.parallel.expert=2 \
+bench non_colocated_ep2 280 3 bench.num_trainer_ranks=2 megatron.parallel.expert=2 \
   'bench.modes=[raw_link,engine,transport_alone]'
 bench colocated_ep2 280 2 refit.mode=colocated bench.num_trainer_ranks=2 \
   megatron.parallel.expert=2 'bench.modes=[raw_link,engine,transport_alone]'

@@ -5,12 +5,12 @@
 # from the preset's HF config with dummy weights (no checkpoint written: every refit brings the
 # real weights through vLLM's loader); each mode's last refit verified inside vLLM (the trainer's
 # digests of what arrived, and every vLLM parameter against vLLM's plain loader):
-#   vllm_split       trainer rank on GPU0 -> vLLM on GPU1, NCCL broadcast;
-#   vllm_colocated   vLLM in an engine process on the trainer's GPU, CUDA IPC;
+#   vllm_non_colocated  trainer rank on GPU0 -> vLLM on GPU1, NCCL broadcast;
+#   vllm_colocated      vLLM in an engine process on the trainer's GPU, CUDA IPC;
 # each with the refit (engine), the same from tensors captured in memory (transport_alone) and
 # vLLM's own load of the same tensors (vllm_load_floor; target engine <= 1.2 x the floor); then
-#   tensors_split, tensors_colocated: the same refits into the transport's tensor engine.
-# One call of < 9 min. RUNS="vllm_split tensors_split" runs those rows only.
+#   tensors_non_colocated, tensors_colocated: the same refits into the transport's tensor engine.
+# One call of < 9 min. RUNS="vllm_non_colocated tensors_non_colocated" runs those rows only.
 # Results under $OUT/vllm: bench.jsonl (every line), summaries.jsonl, rc.txt, errors.txt.
 set -u
 BUDGET_S=${BUDGET_S:-530}
@@ -28,8 +28,8 @@ bench() {  # bench NAME LIMIT NPROC [overrides...]: the Megatron Llama-3-8B pres
 
 VLLM='bench.modes=[engine,transport_alone,vllm_load_floor]'
 TENSORS='bench.modes=[raw_link,engine,transport_alone]'
-bench vllm_split 200 2 bench.engine=vllm "$VLLM"
+bench vllm_non_colocated 200 2 bench.engine=vllm "$VLLM"
 bench vllm_colocated 200 1 refit.mode=colocated bench.engine=vllm "$VLLM"
-bench tensors_split 60 2 "$TENSORS"
+bench tensors_non_colocated 60 2 "$TENSORS"
 bench tensors_colocated 60 1 refit.mode=colocated "$TENSORS"
 cat "$D/rc.txt"; echo "total ${SECONDS}s"
