@@ -4,15 +4,13 @@ and the whole launch must have ended soon after. Each row prints its measured ti
 
 import json
 import re
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from mcore_refit.refit.transports.ipc_files import sweep_stale_files
-from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
+from mcore_refit.tiny import VLLM_SIZES, TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT, run_torchrun
 
 FAULTS = REPO_ROOT / "tests" / "dist" / "scenarios" / "faults.py"

@@ -1,9 +1,9 @@
 """Non-colocated transport on CPU (gloo, 2-4 real processes): bitwise round trips and failures.
 
 Every scenario runs in freshly spawned processes on a free port; each rank writes a JSON result
-that the test asserts on. The ranks form a non-colocated job by hand: trainer ranks first, then inference
-ranks, a control group over all of them and a data group per source trainer rank. Failures must
-reach every rank as a RefitError naming the rank, within the configured timeout.
+that the test asserts on. The ranks form a non-colocated job by hand: trainer ranks first, then
+inference ranks, a control group over all of them and a data group per source trainer rank.
+Failures must reach every rank as a RefitError naming the rank, within the configured timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from mcore_refit.control import ControlGroup
 from mcore_refit.refit import (
     LocalSource,
@@ -34,7 +35,6 @@ from mcore_refit.refit import (
     build_plan,
     plan_for_source,
 )
-from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from tests.ranks import run_ranks
 from tests.tensors import bits
 

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 import zmq
 
+from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from mcore_refit.refit import (
     ColocatedInitInfo,
     ColocatedSender,
@@ -37,7 +38,6 @@ from mcore_refit.refit import (
     plan_for_source,
 )
 from mcore_refit.refit.transports.ipc_files import create_shared_cpu_slot, private_runtime_dir
-from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
 from mcore_refit.refit.transports.wire import BufferReady, decode, encode
 from tests.tensors import bits
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from mcore_refit.bench.synthetic import SyntheticWeightSource, tiny_mixed_specs
 from mcore_refit.refit import (
-    NonColocatedInitInfo,
     LocalSource,
+    NonColocatedInitInfo,
     Refitter,
     TensorDictEngine,
     WeightTransferEndpoint,

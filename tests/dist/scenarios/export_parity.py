@@ -70,8 +70,7 @@ def corrupted_weight_is_caught(path, device, parallel: ParallelConfig):
     from megatron.core import parallel_state
 
     from mcore_refit.model import build_model
-    from mcore_refit.verify import hf_reference_state
-    from mcore_refit.verify import compare_export
+    from mcore_refit.verify import compare_export, hf_reference_state
 
     model_parallel = distributed.init_model_parallel(parallel, seed=0)
     try:
@@ -100,8 +99,7 @@ def export_reads_current_parameters(path, device):
 
     from mcore_refit.control import ControlGroup
     from mcore_refit.model import build_model
-    from mcore_refit.refit import PlanConfig, plan_for_source
-    from mcore_refit.refit import ModelExport
+    from mcore_refit.refit import ModelExport, PlanConfig, plan_for_source
 
     parallel = ParallelConfig(pipeline=2, virtual_pipeline=2)
     model_parallel = distributed.init_model_parallel(parallel, seed=0)

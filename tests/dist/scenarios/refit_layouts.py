@@ -6,7 +6,8 @@ tensor bit for bit against Megatron-Bridge's own (full) export of the same model
 weights change in between, so stale bytes would show).
 
 - ``--placement non_colocated``: the first ranks train (as many as the layout needs), the rest
-  are inference ranks of a non-colocated job; each tensor goes from the trainer rank that exports it.
+  are inference ranks of a non-colocated job; each tensor goes from the trainer rank that
+  exports it.
 - ``--placement colocated``: every rank trains and refits an engine in a thread of its own
   process over the IPC transport (shared memory); buffers move between trainer ranks first.
 
