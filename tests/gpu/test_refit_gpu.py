@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import shutil
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -223,32 +221,28 @@ def _engine_main(address: str, out_path: str) -> None:
 @one_gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sharing", ["buffers", "weights"])
-def test_colocated_cuda_ipc_bitwise_without_new_allocations(tmp_path, sharing):
+def test_colocated_cuda_ipc_bitwise_without_new_allocations(tmp_path, ipc_dir, sharing):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    ipc_dir = tempfile.mkdtemp(prefix="rf", dir="/tmp")
-    try:
-        transport = dataclasses.replace(options(ipc_dir=ipc_dir), ipc_sharing=sharing)
-        source = LocalSource(SyntheticWeightSource(gpu_specs(), device=device, seed=SEED,
-                                                   noncontiguous=True))
-        plan = plan_for_source(source, config=PLAN, device=device)
-        sender = create_sender(transport_for("colocated", transport), plan=plan, device=device,
-                               options=transport)
-        assert "GPU-" in sender.address
-        engine_out = tmp_path / "engine.json"
-        engine = mp.get_context("spawn").Process(target=_engine_main,
-                                                 args=(sender.address, str(engine_out)))
-        engine.start()
-        with Refitter(source=source, sender=sender) as refitter:
-            refitter.prepare()
-            first = refitter.refit(verify=True)
-            before = counters(device)
-            second = refitter.refit()
-            after = counters(device)
-        engine.join(120)
-        assert not engine.is_alive()
-    finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+    transport = dataclasses.replace(options(ipc_dir=ipc_dir), ipc_sharing=sharing)
+    source = LocalSource(SyntheticWeightSource(gpu_specs(), device=device, seed=SEED,
+                                               noncontiguous=True))
+    plan = plan_for_source(source, config=PLAN, device=device)
+    sender = create_sender(transport_for("colocated", transport), plan=plan, device=device,
+                           options=transport)
+    assert "GPU-" in sender.address
+    engine_out = tmp_path / "engine.json"
+    engine = mp.get_context("spawn").Process(target=_engine_main,
+                                             args=(sender.address, str(engine_out)))
+    engine.start()
+    with Refitter(source=source, sender=sender) as refitter:
+        refitter.prepare()
+        first = refitter.refit(verify=True)
+        before = counters(device)
+        second = refitter.refit()
+        after = counters(device)
+    engine.join(120)
+    assert not engine.is_alive()
     received = json.loads(engine_out.read_text())
     assert "uncaught" not in received, received
     assert received["mismatched"] == []
