@@ -37,6 +37,7 @@ from mcore_refit import distributed  # noqa: E402
 from mcore_refit.config import ParallelConfig  # noqa: E402
 from mcore_refit.control import ControlGroup  # noqa: E402
 from mcore_refit.inference.process import EngineProcess  # noqa: E402
+from mcore_refit.non_colocated import init_non_colocated_job  # noqa: E402
 from mcore_refit.refit import (  # noqa: E402
     NonColocatedInitInfo,
     NonColocatedSender,
@@ -88,7 +89,7 @@ def main() -> None:
         context = distributed.init_distributed(rank=rank, world_size=world, local_rank=rank)
         job = None
     else:
-        job = distributed.init_non_colocated_job(
+        job = init_non_colocated_job(
             rank=rank, world_size=world, local_rank=rank, num_inference_ranks=1,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
         context = job.context
