@@ -1,5 +1,5 @@
-"""The fault table (docs/grpo.md, "Faults"): a process of a GRPO job is SIGKILLed at a chosen moment,
-with the default config; every surviving rank must report the dead process first within 15 s
+"""The fault table (docs/grpo.md, "Faults"): a process of a GRPO job is SIGKILLed at a chosen
+moment, with the default config; every surviving rank must report the dead process first within 15 s
 and the whole launch must have ended soon after. Each row prints its measured times."""
 
 import json
@@ -16,8 +16,8 @@ from tests.launch import REPO_ROOT, run_torchrun
 FAULTS = REPO_ROOT / "tests" / "dist" / "scenarios" / "faults.py"
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
 NON_COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_non_colocated.yaml"
-# From the kill to every surviving rank's report (the bound this test asserts), and to the end of the
-# launch: every rank exited, then torchrun's own teardown, which takes up to ~10 s more on a
+# From the kill to every surviving rank's report (the bound this test asserts), and to the end of
+# the launch: every rank exited, then torchrun's own teardown, which takes up to ~10 s more on a
 # loaded 2-core machine (docs/benchmarks.md lists measured figures).
 BOUND_S = 15.0
 EXIT_BOUND_S = 25.0

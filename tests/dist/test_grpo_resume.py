@@ -136,7 +136,8 @@ def straight_runs(checkpoint, tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="bitwise on CPU; on GPUs the embedding backward accumulates with atomics")
+                    reason="bitwise on CPU; on GPUs the embedding backward accumulates with "
+                           "atomics")
 @pytest.mark.parametrize("mode", list(CONFIGS))
 def test_resume_after_a_kill_in_a_checkpoint_save_is_bit_identical(mode, checkpoint,
                                                                    straight_runs, tmp_path):

@@ -46,7 +46,8 @@ def stop_launch(checkpoint, out: Path, *, when: str,
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", str(RECIPE), "--config", str(COLOCATED),
                f"model.hf_path={checkpoint}", f"run.output_dir={out}", "run.steps=1000",
-               "eval=null", "run.eval_every=0", "grpo.prompts_per_step=4", "grpo.samples_per_prompt=4"]
+               "eval=null", "run.eval_every=0", "grpo.prompts_per_step=4",
+               "grpo.samples_per_prompt=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", LAUNCH_TAG: tag}
     stderr = out.parent / f"{out.name}.stderr"
     with stderr.open("w") as errors:

@@ -13,7 +13,8 @@ Megatron-Bridge's own export of the same model, bit for bit.
   over the IPC transport (shared memory on CPU); buffers move between trainer ranks first.
 
 One vLLM engine per process serves every layout of a checkpoint: colocated ranks start a new
-engine process for another checkpoint; a non-colocated launch takes layouts of one checkpoint. Rank 0 writes ``{layout: {"rank<r>": result}}`` to --out.
+engine process for another checkpoint; a non-colocated launch takes layouts of one checkpoint.
+Rank 0 writes ``{layout: {"rank<r>": result}}`` to --out.
 """
 
 import argparse
@@ -31,7 +32,7 @@ os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from refit_layouts import CPU, bump, build, kinds, reference, share  # noqa: E402
+from refit_layouts import CPU, build, bump, kinds, reference, share  # noqa: E402
 
 from mcore_refit import distributed  # noqa: E402
 from mcore_refit.config import ParallelConfig  # noqa: E402
@@ -39,10 +40,10 @@ from mcore_refit.control import ControlGroup  # noqa: E402
 from mcore_refit.inference.process import EngineProcess  # noqa: E402
 from mcore_refit.non_colocated import init_non_colocated_job  # noqa: E402
 from mcore_refit.refit import (  # noqa: E402
-    NonColocatedInitInfo,
-    NonColocatedSender,
     ColocatedInitInfo,
     ColocatedSender,
+    NonColocatedInitInfo,
+    NonColocatedSender,
     Refitter,
     plan_for_source,
 )
