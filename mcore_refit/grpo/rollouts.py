@@ -306,20 +306,16 @@ def serve_inference(*, config: GRPOJobConfig, job: NonColocatedJob) -> None:
     engine that failed to start is reported to the trainers, then raised here.
     """
     device = job.context.device
-    spec = engine_spec(config, device=device, seed=config.run.seed + 1000 + job.context.rank)
-    try:
-        engine, endpoint = open_engine(spec, device=device)
-        start_failure = None
-    except Exception as error:  # reported to trainer rank 0 at `init`, then raised
-        engine = endpoint = None
-        start_failure = error
     timeout_s, peers = config.collective_timeout_s, job.context.peers
     commands = ControlGroup(job.control_group, timeout_s=timeout_s,
                             name="the inference command group",
                             peers=_among(peers, _command_ranks(job)))
-    if start_failure is not None:
-        _report_start_failure(commands, start_failure)
-        raise start_failure
+    spec = engine_spec(config, device=device, seed=config.run.seed + 1000 + job.context.rank)
+    try:
+        engine, endpoint = open_engine(spec, device=device)
+    except Exception as error:
+        _report_start_failure(commands, error)
+        raise
     shard, num_shards = job.context.rank, job.num_inference_ranks
     with endpoint:
         while True:
