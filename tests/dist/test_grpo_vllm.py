@@ -32,13 +32,19 @@ def mean(values):
     return sum(values) / len(values)
 
 
+def run_grpo(config, model, out, *overrides, nproc, timeout_s=840, expect_failure=False):
+    """The recipe with ``inference.engine=vllm`` on ``model``, writing to ``out``."""
+    return run_torchrun(RECIPE, "--config", str(config), "inference.engine=vllm",
+                        f"model.hf_path={model}", f"run.output_dir={out}", *overrides,
+                        nproc=nproc, timeout_s=timeout_s, standalone=True,
+                        expect_failure=expect_failure)
+
+
 @pytest.mark.timeout(900)
 def test_grpo_with_vllm_colocated_learns_and_matches_the_trainer(checkpoint, tmp_path):
     out = tmp_path / "run"
-    result = run_torchrun(RECIPE, "--config", str(COLOCATED), "inference.engine=vllm",
-                          f"model.hf_path={checkpoint}", f"run.output_dir={out}",
-                          "run.steps=40", "run.eval_every=0", "run.verify_refit=true",
-                          nproc=2, timeout_s=840, standalone=True)
+    result = run_grpo(COLOCATED, checkpoint, out, "run.steps=40", "run.eval_every=0",
+                      "run.verify_refit=true", nproc=2)
     summary = last_json_line(result.stdout)
     assert summary["steps"] == 40 and summary["mode"] == "colocated"
     assert 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
@@ -50,10 +56,8 @@ def test_grpo_with_vllm_colocated_learns_and_matches_the_trainer(checkpoint, tmp
 @pytest.mark.timeout(900)
 def test_grpo_with_vllm_on_an_inference_rank_refits_by_broadcast(checkpoint, tmp_path):
     out = tmp_path / "run"
-    result = run_torchrun(RECIPE, "--config", str(NON_COLOCATED), "inference.engine=vllm",
-                          f"model.hf_path={checkpoint}", f"run.output_dir={out}",
-                          "run.steps=15", "run.eval_every=0", "run.verify_refit=true",
-                          nproc=3, timeout_s=840, standalone=True)
+    result = run_grpo(NON_COLOCATED, checkpoint, out, "run.steps=15", "run.eval_every=0",
+                      "run.verify_refit=true", nproc=3)
     summary = last_json_line(result.stdout)
     assert summary["steps"] == 15 and summary["mode"] == "non_colocated"
     assert 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
@@ -67,10 +71,8 @@ def test_a_vllm_engine_that_fails_to_start_on_an_inference_rank_is_named_on_ever
         tmp_path):
     # Head size 16: vLLM's CPU attention refuses it at the start-up forward.
     narrow = write_tiny_checkpoint(tmp_path / "narrow", TinyModelSpec(num_layers=4))
-    result = run_torchrun(RECIPE, "--config", str(NON_COLOCATED), "inference.engine=vllm",
-                          f"model.hf_path={narrow}", f"run.output_dir={tmp_path / 'run'}",
-                          "run.steps=2", nproc=3, timeout_s=540, standalone=True,
-                          expect_failure=True)
+    result = run_grpo(NON_COLOCATED, narrow, tmp_path / "run", "run.steps=2", nproc=3,
+                      timeout_s=540, expect_failure=True)
     named = ("RankFailure: start of the inference engines failed on trainer rank 0: RuntimeError: "
              "inference rank 0 failed the engine's start: VllmStartError: vLLM's start-up forward "
              f"failed on model.hf_path='{narrow}' (LlamaForCausalLM, 4 layers, hidden size 64, 4 "
