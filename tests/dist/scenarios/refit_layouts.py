@@ -119,22 +119,13 @@ def main() -> None:
     trainers = max(LAYOUTS[name][1].model_parallel_size * LAYOUTS[name][1].expert
                    for name in args.layouts)
     workdir = Path(args.workdir)
-    if args.placement == "colocated":
-        context = distributed.init_distributed(rank=rank, world_size=world, local_rank=rank)
-        job = None
-    else:
-        job = non_colocated.init_non_colocated_job(
-            rank=rank, world_size=world, local_rank=rank, num_inference_ranks=world - trainers,
-            store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
-        context = job.context
+    context, job = start(args.placement, rank=rank, world=world,
+                         num_inference_ranks=world - trainers)
     results = {}
     for name in args.layouts:
         checkpoint, parallel = LAYOUTS[name]
-        path = workdir / checkpoint
-        if rank == 0 and not path.exists():
-            write_tiny_checkpoint(path, CHECKPOINTS[checkpoint])
-        if job is None or job.is_trainer:
-            dist.barrier()  # the checkpoint is written before any trainer reads it
+        path = written_checkpoint(workdir / checkpoint, CHECKPOINTS[checkpoint], rank=rank,
+                                  job=job)
         if job is None:
             results[name] = colocated(path, parallel, context=context)
         elif job.is_trainer:
@@ -145,6 +136,26 @@ def main() -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps(gathered))
     distributed.shutdown()
+
+
+def start(placement: str, *, rank: int, world: int, num_inference_ranks: int):
+    """``(context, job)`` of this launch: a colocated job (``job`` None) or a non-colocated one
+    whose last ``num_inference_ranks`` ranks serve the engines."""
+    if placement == "colocated":
+        return distributed.init_distributed(rank=rank, world_size=world, local_rank=rank), None
+    job = non_colocated.init_non_colocated_job(
+        rank=rank, world_size=world, local_rank=rank, num_inference_ranks=num_inference_ranks,
+        store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
+    return job.context, job
+
+
+def written_checkpoint(path: Path, spec: TinyModelSpec, *, rank: int, job) -> Path:
+    """``path``, where rank 0 writes the checkpoint ``spec`` once, before any trainer reads it."""
+    if rank == 0 and not path.exists():
+        write_tiny_checkpoint(path, spec)
+    if job is None or job.is_trainer:
+        dist.barrier()
+    return path
 
 
 def share(results: dict, job, rank: int) -> dict:

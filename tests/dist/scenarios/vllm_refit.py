@@ -32,13 +32,21 @@ os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from refit_layouts import CPU, build, bump, kinds, reference, share  # noqa: E402
+from refit_layouts import (  # noqa: E402
+    CPU,
+    build,
+    bump,
+    kinds,
+    reference,
+    share,
+    start,
+    written_checkpoint,
+)
 
 from mcore_refit import distributed  # noqa: E402
 from mcore_refit.config import ParallelConfig  # noqa: E402
 from mcore_refit.control import ControlGroup  # noqa: E402
 from mcore_refit.inference.process import EngineProcess  # noqa: E402
-from mcore_refit.non_colocated import init_non_colocated_job  # noqa: E402
 from mcore_refit.refit import (  # noqa: E402
     ColocatedInitInfo,
     ColocatedSender,
@@ -50,7 +58,7 @@ from mcore_refit.refit import (  # noqa: E402
 from mcore_refit.refit.checksum import TensorDigester, mismatched_names  # noqa: E402
 from mcore_refit.refit.config import PlanConfig, TransportOptions  # noqa: E402
 from mcore_refit.refit.export import ModelExport  # noqa: E402
-from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint  # noqa: E402
+from mcore_refit.tiny import TinyModelSpec  # noqa: E402
 
 # Head size 32 (vLLM's CPU attention refuses 16).
 CHECKPOINTS = {
@@ -86,23 +94,13 @@ def main() -> None:
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     workdir = Path(args.workdir)
-    if args.placement == "colocated":
-        context = distributed.init_distributed(rank=rank, world_size=world, local_rank=rank)
-        job = None
-    else:
-        job = init_non_colocated_job(
-            rank=rank, world_size=world, local_rank=rank, num_inference_ranks=1,
-            store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
-        context = job.context
+    context, job = start(args.placement, rank=rank, world=world, num_inference_ranks=1)
     results, engine = {}, Engine(Path(args.ipc_dir or workdir / "ipc"), rank=rank)
     try:
         for name in args.layouts:
             checkpoint, parallel = LAYOUTS[name]
-            path = workdir / checkpoint
-            if rank == 0 and not path.exists():
-                write_tiny_checkpoint(path, CHECKPOINTS[checkpoint])
-            if job is None or job.is_trainer:
-                dist.barrier()  # the checkpoint is written before any trainer reads it
+            path = written_checkpoint(workdir / checkpoint, CHECKPOINTS[checkpoint], rank=rank,
+                                      job=job)
             if job is None:
                 results[name] = colocated(path, parallel, context=context, engine=engine)
             elif job.is_trainer:
