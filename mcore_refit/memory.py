@@ -194,5 +194,15 @@ def trainer_state_bytes(numel: int, *, dtype: str, distributed_optimizer: bool,
     return (("gradients (fp32)", numel * 4), ("Adam state", optimizer))
 
 
+def vllm_engine_parts(model_bytes: int, *, verify: bool,
+                      kv_cache_bytes: int) -> tuple[tuple[str, int], ...]:
+    """What a vLLM engine holds beyond its copy of the model during a refit: the staging every
+    received tensor is copied into (the payload once, see ``inference/vllm/staging.py``), the
+    reference model a verified refit loads the same tensors into (once more), and its KV cache."""
+    return (("vLLM's refit staging", model_bytes),
+            ("vLLM's reference model (verify)", model_bytes if verify else 0),
+            ("vLLM's KV cache", kv_cache_bytes))
+
+
 def _gib(size: int) -> str:
     return f"{size / GIB:.1f}"

@@ -4,7 +4,9 @@ every rank before any process group or model exists.
 Per trainer rank: its share of the weights (the whole synthetic set on trainer rank 0), the
 refit's slots, ``transport_alone``'s captured copy of what it sends (Megatron source), the raw
 link's buffer. Per engine (an inference rank, or a colocated rank's engine process): the whole
-model, its slots when a source broadcasts to it, the raw link's buffer.
+model, its slots when a source broadcasts to it, the raw link's buffer; a vLLM engine
+(``bench.engine: vllm``) also its refit staging, its reference model (``bench.verify``) and its KV
+cache.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from mcore_refit.bench.config import BRIDGE_MODES, RefitBenchJob, check_layout
 from mcore_refit.bench.sources import preset_config
 from mcore_refit.bench.synthetic import synthetic_specs
+from mcore_refit.bench.vllm import KV_CACHE_BYTES
 from mcore_refit.memory import (
     PROCESS_OVERHEAD_BYTES,
     GpuNeed,
@@ -24,6 +27,7 @@ from mcore_refit.memory import (
     dtype_bytes,
     place,
     slot_bytes,
+    vllm_engine_parts,
 )
 from mcore_refit.non_colocated import non_colocated_device_index
 from mcore_refit.refit import DEFAULT_SLOT_BYTES
@@ -103,9 +107,13 @@ def bench_needs(job: RefitBenchJob, *, world_size: int, num_gpus: int,
             ("Bridge's gathered tensor", gathered), ("raw link buffers", raw),
             ("process overhead", PROCESS_OVERHEAD_BYTES)))
 
+    vllm = (vllm_engine_parts(model.total_bytes, verify=bench.verify,
+                              kv_cache_bytes=KV_CACHE_BYTES)
+            if bench.engine == "vllm" and refits else ())
+
     def engine(who: str, *, own_slots: bool, raw: int) -> ProcessNeed:
         return ProcessNeed(who=who, parts=(
-            ("the engine's copy of the model", model.total_bytes if refits else 0),
+            ("the engine's copy of the model", model.total_bytes if refits else 0), *vllm,
             ("refit slots", slots if refits and own_slots else 0), ("raw link buffer", raw),
             ("process overhead", PROCESS_OVERHEAD_BYTES)))
 

@@ -14,6 +14,10 @@ import torch
 
 from mcore_refit.refit import TransportOptions
 
+# The benchmark engine's KV cache: one request of max_model_len (128) tokens of Llama-3-8B is
+# 32 MiB (32 layers x 8 KV heads x 128 x K and V in bf16); the rest is margin.
+KV_CACHE_BYTES = 256 << 20
+
 
 def refittable_llm(hf_path: str | Path, *, dtype: str = "float32", seed: int = 0,
                    max_model_len: int = 128, kv_cache_bytes: int = 32 << 20,
@@ -68,10 +72,8 @@ class VllmBenchEngine:
                  options: TransportOptions, gpu_memory_utilization: float) -> None:
         self.device = torch.device(device)
         self.options = options
-        # The KV cache must hold one request of max_model_len (128) tokens: 32 MiB is 128
-        # tokens of Llama-3-8B's (32 layers x 8 KV heads x 128 x K and V in bf16); keep margin.
         self.llm = refittable_llm(hf_path, dtype=dtype, load_format="dummy",
-                                  kv_cache_bytes=256 << 20,
+                                  kv_cache_bytes=KV_CACHE_BYTES,
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   device=self.device)
 

@@ -4,7 +4,9 @@ process group or model exists.
 Per trainer rank: its share of the weights (``model.dtype``), fp32 gradients, Adam's state and
 the refit's slots. Per engine (an inference rank, or a colocated rank's engine process): the
 whole model at ``inference.dtype`` and, on an inference rank that a source broadcasts to, its
-slots. A colocated GPU holds both at the refit (offloading is not credited: the refit needs the
+slots; a vLLM engine also its refit staging, its reference model (``run.verify_refit``) and its KV
+cache (``inference.vllm.kv_cache_bytes``; when null, vLLM fills ``gpu_memory_utilization`` of the
+GPU). A colocated GPU holds both at the refit (offloading is not credited: the refit needs the
 trainer's weights and the engine's at once).
 """
 
@@ -25,6 +27,7 @@ from mcore_refit.memory import (
     place,
     slot_bytes,
     trainer_state_bytes,
+    vllm_engine_parts,
 )
 from mcore_refit.non_colocated import non_colocated_device_index
 from mcore_refit.refit import DEFAULT_SLOT_BYTES
@@ -75,9 +78,20 @@ def grpo_needs(config: GRPOJobConfig, *, world_size: int, local_world_size: int,
             ("weights", numel * weight_bytes), *state, ("refit slots", slots),
             ("process overhead", PROCESS_OVERHEAD_BYTES)))
 
-    def engine(who: str, *, own_slots: bool) -> ProcessNeed:
+    def vllm_parts(gpu: int) -> tuple[tuple[str, int], ...]:
+        if config.inference.engine != "vllm":
+            return ()
+        options = config.inference.vllm
+        kv_cache = options.kv_cache_bytes
+        if kv_cache is None:
+            kv_cache = max(0, int(options.gpu_memory_utilization * capacity_of(gpu))
+                           - engine_bytes)
+        return vllm_engine_parts(engine_bytes, verify=config.run.verify_refit,
+                                 kv_cache_bytes=kv_cache)
+
+    def engine(who: str, *, own_slots: bool, gpu: int) -> ProcessNeed:
         return ProcessNeed(who=who, parts=(
-            ("the engine's copy of the model", engine_bytes),
+            ("the engine's copy of the model", engine_bytes), *vllm_parts(gpu),
             ("refit slots", slots if own_slots else 0),
             ("process overhead", PROCESS_OVERHEAD_BYTES)))
 
@@ -91,11 +105,11 @@ def grpo_needs(config: GRPOJobConfig, *, world_size: int, local_world_size: int,
                 processes[rank] = trainer(rank)
                 if colocated:
                     engines.append((rank, engine(f"trainer rank {rank}'s engine",
-                                                 own_slots=False)))
+                                                 own_slots=False, gpu=gpu_of(rank))))
             else:
                 local = [t for t in range(trainers) if t in ranks and gpu_of(t) == gpu_of(rank)]
                 processes[rank] = engine(f"inference rank {rank - trainers}",
-                                         own_slots=len(local) < trainers)
+                                         own_slots=len(local) < trainers, gpu=gpu_of(rank))
         for gpu in place(processes, gpu_of, capacity_of):
             extra = tuple(need for rank, need in engines if gpu_of(rank) == gpu.gpu)
             needs.append(GpuNeed(gpu=gpu.gpu, processes=gpu.processes + extra,

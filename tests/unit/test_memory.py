@@ -113,3 +113,39 @@ def test_a_grpo_launch_that_cannot_fit_is_refused_before_the_start_up(tmp_path):
         ". Use more GPUs (more pipeline, tensor or expert parallelism), "
         "policy.optimizer.use_distributed_optimizer, or a smaller model")
     assert not (tmp_path / "run").exists()  # refused before the run directory was claimed
+
+
+def test_a_vllm_engine_counts_its_staging_reference_model_and_kv_cache(llama_8b, tmp_path):
+    """The 8B preset refitted into vLLM colocated (benchmarks/refit_vllm.sh): the engine holds the
+    model three times while verifying, which an H100 cannot hold beside the trainer."""
+    modes = "bench.modes=[engine,transport_alone,vllm_load_floor]"
+    colocated = bench("refit.mode=colocated", "bench.engine=vllm", modes)
+    with pytest.raises(InsufficientGpuMemory) as error:
+        check_bench_memory(colocated, world_size=1, num_gpus=1, capacity_of=lambda gpu: H100,
+                           tensors=llama_8b)
+    assert str(error.value) == (
+        "GPU 0 cannot hold trainer rank 0 and trainer rank 0's engine: they need 97.0 GiB, the "
+        "GPU has 79.1 GiB (trainer rank 0: 41.9 GiB = weights 15.0 + refit slots 2.0 + "
+        "transport_alone's captured copy 15.0 + process overhead 10.0; trainer rank 0's engine: "
+        "55.1 GiB = the engine's copy of the model 15.0 + vLLM's refit staging 15.0 + vLLM's "
+        "reference model (verify) 15.0 + vLLM's KV cache 0.2 + process overhead 10.0). Use more "
+        "GPUs, fewer layers (megatron.num_layers), or drop the mode that needs the extra copy")
+    check_bench_memory(colocated, world_size=1, num_gpus=1, capacity_of=lambda gpu: H200,
+                       tensors=llama_8b)
+    check_bench_memory(bench("bench.engine=vllm", modes), world_size=2, num_gpus=2,
+                       capacity_of=lambda gpu: H100, tensors=llama_8b)
+    # The GRPO job (PP2, two ranks): verified refits into vLLM, whose KV cache fills what is left
+    # of gpu_memory_utilization (0.3 x 139.8 GiB - the 15.0 GiB model).
+    preset_config("llama3_8b").save_pretrained(tmp_path)
+    config = load_config(GRPOJobConfig, REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml",
+                         [f"model.hf_path={tmp_path}", "model.dtype=bfloat16",
+                          "inference.dtype=bfloat16", "inference.engine=vllm",
+                          "inference.vllm.kv_cache_bytes=null",
+                          "inference.vllm.gpu_memory_utilization=0.3", "run.verify_refit=true",
+                          f"run.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(InsufficientGpuMemory) as error:
+        check_grpo_memory(config, world_size=2, local_world_size=2, num_gpus=2,
+                          capacity_of=lambda gpu: H200)
+    assert ("trainer rank 0's engine: 81.9 GiB = the engine's copy of the model 15.0 + vLLM's "
+            "refit staging 15.0 + vLLM's reference model (verify) 15.0 + vLLM's KV cache 27.0 "
+            "+ process overhead 10.0") in str(error.value)
