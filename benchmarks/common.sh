@@ -11,15 +11,28 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # step NAME LIMIT COMMAND...: runs COMMAND under `timeout`, its limit cut to what is left of
 # BUDGET_S (seconds since the sweep started), with stdout/stderr in /tmp/NAME.{out,err}; appends
 # "rc=<code> NAME <seconds>" to $D/rc.txt and the error lines of its stderr to $D/errors.txt. A
-# step with under 20 s of budget left is skipped (rc=skipped).
+# step with under 20 s of budget left is skipped (rc=skipped). With STACKS_AFTER=S and py-spy on
+# PATH, a step still running after S seconds has the stacks of every Python process (threads
+# included) written to $D/stacks_NAME.txt: where a hang sits. With KEEP_LOGS=1 the last 200 kB
+# of its stderr are kept in $D/NAME.err.
 step() {
   local name=$1 limit=$2; shift 2
-  local left=$((BUDGET_S - SECONDS)) start=$SECONDS
+  local left=$((BUDGET_S - SECONDS)) start=$SECONDS watcher=
   [ "$limit" -le "$left" ] || limit=$left
   if [ "$limit" -lt 20 ]; then echo "rc=skipped $name (budget spent)" >> "$D/rc.txt"; return; fi
+  if [ -n "${STACKS_AFTER:-}" ] && command -v py-spy > /dev/null; then
+    ( sleep "$STACKS_AFTER"
+      for pid in $(pgrep python); do
+        echo "== pid $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-160)"
+        py-spy dump --pid "$pid"
+      done > "$D/stacks_$name.txt" 2>&1 ) &
+    watcher=$!
+  fi
   # SIGINT first: a step that ran out of time prints where it was (Python's traceback).
   timeout -s INT -k 15 "$limit" "$@" > "/tmp/$name.out" 2> "/tmp/$name.err"
   local rc=$?
+  [ -z "$watcher" ] || kill "$watcher" 2> /dev/null
+  [ "${KEEP_LOGS:-0}" != 1 ] || tail -c 200000 "/tmp/$name.err" > "$D/$name.err"
   echo "rc=$rc $name $((SECONDS - start))s (limit ${limit}s)" >> "$D/rc.txt"
   { echo "== $name"; grep -E "Error|error:|Timeout" "/tmp/$name.err" \
       | grep -v "FP8GlobalStateManager\|import_utils" | tail -n 8

@@ -6,7 +6,7 @@
 # the repository on PYTHONPATH and prints the versions found and the number of GPUs.
 site=${MCORE_REFIT_SITE:-/tmp/mcore_refit_site}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl
-export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, transformers, megatron.core
 print("torch", torch.__version__, "transformers", transformers.__version__,
