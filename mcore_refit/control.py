@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -46,8 +47,9 @@ class ControlError(RuntimeError):
     """A control-plane exchange failed: a peer died or the group broke."""
 
 
-class ControlTimeout(ControlError):
-    """A control-plane wait expired; the message names what was awaited."""
+class ControlTimeout(ControlError, TimeoutError):
+    """A control-plane wait expired; the message names what was awaited. A ``TimeoutError``,
+    as every bounded wait's expiry is (see :func:`is_timeout`)."""
 
 
 class PeerDied(ControlError):
@@ -82,7 +84,7 @@ class Outcome:
         text = "".join(traceback.format_exception(error))
         summary = f"{type(error).__name__}: {error}"
         return cls(ok=False, error=f"{summary}\n{text}"[-MAX_ERROR_CHARS:],
-                   error_type=type(error).__name__, waited="Timeout" in type(error).__name__)
+                   error_type=type(error).__name__, waited=is_timeout(error))
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "value": self.value, "error": self.error,
@@ -367,8 +369,14 @@ def is_consequential(error: BaseException) -> bool:
     elsewhere — rather than naming what failed."""
     if isinstance(error, (PeerDied, RankFailure)):
         return False
-    return (isinstance(error, (Terminated, ControlError)) or "Timeout" in type(error).__name__
+    return (isinstance(error, (Terminated, ControlError)) or is_timeout(error)
             or _BROKEN_CONNECTION.search(str(error)) is not None)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` says that a bounded wait expired: a ``TimeoutError`` (which
+    :class:`ControlTimeout` and the refit's ``RefitTimeout`` are) or a subprocess's."""
+    return isinstance(error, (TimeoutError, subprocess.TimeoutExpired))
 
 
 def is_gloo_timeout(error: RuntimeError) -> bool:

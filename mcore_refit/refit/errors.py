@@ -10,8 +10,9 @@ class RefitError(RuntimeError):
     """A refit failed. Raised on every participating rank; the engine's weights may be partial."""
 
 
-class RefitTimeout(RefitError):
-    """A bounded wait inside a refit expired; the message names what was awaited."""
+class RefitTimeout(RefitError, TimeoutError):
+    """A bounded wait inside a refit expired; the message names what was awaited. Also a
+    ``TimeoutError``, so code that knows nothing of refits recognises it by type."""
 
 
 def failed(what: str, cause: BaseException) -> RefitError:

@@ -78,3 +78,20 @@ def test_a_clean_up_error_after_a_named_failure_reports_that_failure():
         with pytest.raises(PeerDied) as raised:
             raise_dead_peer_first(watch, later)
         assert raised.value is first
+
+
+def test_timeouts_are_recognised_by_type_not_by_name():
+    """An expired wait is ``waited`` in the shared outcome (other ranks' failures come first);
+    a type that merely has "Timeout" in its name is not one."""
+    from mcore_refit.refit import RefitTimeout
+
+    class TimeoutBudgetExceeded(RuntimeError):
+        pass
+
+    for error in (ControlTimeout("timed out after 5 s waiting for x"),
+                  RefitTimeout("timed out after 5 s waiting for buffer 3"),
+                  TimeoutError("vLLM's loader had not finished"),
+                  subprocess.TimeoutExpired(["reward.sh"], 5)):
+        assert Outcome.failed(error).waited, type(error).__name__
+    assert not Outcome.failed(TimeoutBudgetExceeded("a real failure")).waited
+    assert not Outcome.failed(ValueError("bad")).waited
