@@ -1,7 +1,11 @@
-"""Run a scenario function on several freshly spawned gloo ranks and collect their results.
+"""Run a scenario function on several fresh gloo ranks and collect their results.
 
-Each rank runs ``scenario(rank, *args)`` in a spawned process joined to a gloo default group on a
+Each rank runs ``scenario(rank, *args)`` in a fresh process joined to a gloo default group on a
 free port, and writes the returned JSON (or the uncaught error) to a file the test reads back.
+
+The processes come from one fork server per test session that has imported torch and the
+library once (``start_process``): a fresh process then costs a fork, not the seconds of those
+imports, and still starts with no state of the test process (no process group, no engine).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.launch import free_port
+
+# Imported once by the fork server; each process forked from it starts with them loaded.
+_PRELOAD = ["torch", "torch.distributed", "mcore_refit.refit", "mcore_refit.control",
+            "mcore_refit.bench.synthetic", "zmq"]
 
 # The default group's own timeout: far above the bounded waits under test, so those fire first.
 GROUP_TIMEOUT_S = 60
@@ -39,9 +47,21 @@ def _entry(scenario, rank: int, world: int, port: int, out_dir: str, args: tuple
     os._exit(0)
 
 
+def process_context():
+    """The multiprocessing context of the tests' fresh processes: the fork server, which imports
+    ``_PRELOAD`` when it starts (at the first process of the session).
+
+    A process from it carries the environment of the test process as it was when the server
+    started, not as it is when the process starts: pass what a process needs as arguments.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def run_ranks(scenario, world: int, tmp_path: Path, *args, timeout_s: float = 60) -> dict:
-    """Run ``scenario(rank, *args)`` on ``world`` spawned gloo ranks; results by rank."""
-    context = mp.get_context("spawn")
+    """Run ``scenario(rank, *args)`` on ``world`` fresh gloo ranks; results by rank."""
+    context = process_context()
     port = free_port()
     release = context.Event()
     processes = [context.Process(target=_entry,
