@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
+from tests.ranks import run_script
 
 EXPORT_PARITY = REPO_ROOT / "tests" / "dist" / "scenarios" / "export_parity.py"
 # scenarios/export_parity.py's layouts on 2 ranks (dense: test_export_parity; Qwen3-MoE:
@@ -17,8 +18,8 @@ EXPORT_PARITY_X4 = ["llama8_tp2_pp2_vpp2", "llama8_tp2_pp2_vpp2_bf16", "moe_ep2_
 
 def _export_parity(workdir, *args: str, nproc: int, timeout_s: float) -> dict:
     out = workdir / "results.json"
-    run_torchrun(EXPORT_PARITY, "--workdir", str(workdir), "--out", str(out), *args,
-                 nproc=nproc, timeout_s=timeout_s)
+    run_script(EXPORT_PARITY, "--workdir", str(workdir), "--out", str(out), *args, nproc=nproc,
+               timeout_s=timeout_s)
     return json.loads(out.read_text())
 
 

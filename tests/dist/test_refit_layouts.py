@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
+from tests.ranks import run_script
 
 SCENARIO = REPO_ROOT / "tests" / "dist" / "scenarios" / "refit_layouts.py"
 # The QKV row probe refused (a case of the scenario: LAYOUT~MAPPING).
@@ -29,7 +30,7 @@ TP2_PP2_VPP2 = ["llama8_tp2_pp2_vpp2", "qwen2_tied_tp2_pp2_vpp2"]
 
 def _launch(workdir, *, nproc: int, placement: str, cases: list[str], timeout_s: float) -> dict:
     out = workdir / "results.json"
-    run_torchrun(SCENARIO, "--workdir", str(workdir), "--out", str(out), "--placement",
+    run_script(SCENARIO, "--workdir", str(workdir), "--out", str(out), "--placement",
                  placement, "--cases", *cases, nproc=nproc, timeout_s=timeout_s)
     return json.loads(out.read_text())
 

@@ -156,6 +156,12 @@ def main() -> None:
     distributed.shutdown()
 
 
+def launch_id() -> str:
+    """This launch's name among the host's: its rendezvous port (its agent's pid would not do for
+    ranks forked from a fork server that serves several launches)."""
+    return os.environ["MASTER_PORT"]
+
+
 def start(placement: str, *, rank: int, world: int, num_inference_ranks: int):
     """``(context, job)`` of this launch: a colocated job (``job`` None) or a non-colocated one
     whose last ``num_inference_ranks`` ranks serve the engines."""
@@ -235,7 +241,7 @@ def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
                                  control=ControlGroup(job.refit_control, timeout_s=120),
                                  data_group=job.data_groups.get(job.context.rank),
                                  device=job.context.device, options=OPTIONS,
-                                 cpu_device_id=f"layouts{os.getppid()}")
+                                 cpu_device_id=f"layouts{launch_id()}")
         refits = []
         with Refitter(source=export, sender=sender) as refitter:
             refitter.prepare()
@@ -284,10 +290,10 @@ def colocated(path: Path, parallel: ParallelConfig, *, context) -> dict:
         export = SkippingExport(model, control=control, device=context.device)
         plan = plan_for_source(export, config=PLAN, device=context.device)
         options = TransportOptions(**{**OPTIONS.__dict__,
-                                      "ipc_dir": f"/tmp/layouts-{os.getppid()}"})
+                                      "ipc_dir": f"/tmp/layouts-{launch_id()}"})
         Path(options.ipc_dir).mkdir(exist_ok=True)
         sender = ColocatedSender(plan=plan, device=context.device, options=options,
-                           cpu_device_id=f"layouts{os.getppid()}-rank{context.rank}",
+                           cpu_device_id=f"layouts{launch_id()}-rank{context.rank}",
                            trainers=dist.group.WORLD, control=control, rank=context.rank)
         engine = make_engine(path, plan.specs(), context.device)
         served: list = []
