@@ -65,6 +65,13 @@ def process_context():
     return context
 
 
+def warm_fork_server() -> None:
+    """Start the fork server and wait until it has done its imports (it forks a no-op)."""
+    process = process_context().Process(target=int)
+    process.start()
+    process.join()
+
+
 def run_ranks(scenario, world: int, tmp_path: Path, *args, timeout_s: float = 60) -> dict:
     """Run ``scenario(rank, *args)`` on ``world`` fresh gloo ranks; results by rank."""
     context = process_context()

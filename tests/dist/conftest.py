@@ -1,12 +1,15 @@
-"""Launches that several test modules of this folder assert on: session-scoped, one each."""
+"""Launches that several test modules of this folder assert on (session-scoped, one each), and the
+start of the fork server that the folder's ranks come from."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.launch import REPO_ROOT
-from tests.ranks import run_script
+from tests.ranks import run_script, warm_fork_server
 
+_HERE = Path(__file__).resolve().parent
 EXPORT_PARITY = REPO_ROOT / "tests" / "dist" / "scenarios" / "export_parity.py"
 # scenarios/export_parity.py's layouts on 2 ranks (dense: test_export_parity; Qwen3-MoE:
 # test_moe_parity) and on 4.
@@ -14,6 +17,14 @@ EXPORT_PARITY_X2 = ["llama8_tp2", "llama8_pp2", "llama8_pp2_vpp2", "llama8_pp2_v
                     "llama8_tied_pp2_vpp2", "qwen2_pp2_vpp2", "qwen2_tied_tp2",
                     "llama8_pp2_vpp2_bf16", "moe_tp1", "moe_pp2", "moe_pp2_vpp2", "moe_ep2"]
 EXPORT_PARITY_X4 = ["llama8_tp2_pp2_vpp2", "llama8_tp2_pp2_vpp2_bf16", "moe_ep2_pp2"]
+
+
+def pytest_collection_finish(session):
+    """Start the fork server of the tests' ranks (tests.ranks) before the first test of this
+    folder runs, so that its one-time imports (~15 s of CPU) count against no test's timeout."""
+    if not session.config.option.collectonly and any(
+            item.path.resolve().is_relative_to(_HERE) for item in session.items):
+        warm_fork_server()
 
 
 def _export_parity(workdir, *args: str, nproc: int, timeout_s: float) -> dict:
