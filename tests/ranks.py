@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mcore_refit.logs import lock_progress_bars_within_the_process
 from tests.launch import free_port, launch_env, launch_failure, run_torchrun
 
 # Imported once by the fork server; each process forked from it starts with them loaded
@@ -166,6 +167,9 @@ def _script_rank(script: str, args: tuple, env: dict[str, str], logs: str) -> No
     for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
         os.dup2(os.open(Path(logs, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    # The rank ends with os._exit, which unlinks no named semaphore: no multiprocessing lock for
+    # progress bars (the launch's resource tracker would report it leaked).
+    lock_progress_bars_within_the_process()
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     code = 0
