@@ -1,7 +1,7 @@
 """Fixtures shared by the test folders, and the test tiers.
 
 Tiers are markers given by folder, so a new file is classified by where it lives:
-``tests/dist`` -> ``dist`` (each test starts processes: torchrun jobs or spawned ranks, 10-120 s),
+``tests/dist`` -> ``dist`` (each test starts processes: torchrun jobs or forked ranks, 1-120 s),
 ``tests/gpu`` -> ``gpu``. ``make test-fast`` runs neither; ``make test`` runs everything (GPU tests
 skip themselves without GPUs). A test elsewhere that starts a heavy process marks itself ``slow``.
 """

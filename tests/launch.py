@@ -39,7 +39,7 @@ def run_torchrun(script: str | Path, *args: str, nproc: int, timeout_s: float,
                   else ["--master-addr=127.0.0.1", f"--master-port={free_port()}"])
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                *rendezvous, str(script), *args]
-    process = subprocess.Popen(command, cwd=cwd, env=_env(env), stdout=subprocess.PIPE,
+    process = subprocess.Popen(command, cwd=cwd, env=launch_env(env), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     return _finish(process, command, timeout_s, expect_failure=expect_failure)
 
@@ -60,7 +60,7 @@ def run_torchrun_nodes(script: str | Path, *args: str, num_nodes: int, nproc_per
         # Files, not pipes: an agent must never block on output nobody reads yet.
         outputs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
                     stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in commands]
-        processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=_env(env), stdout=out,
+        processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=launch_env(env), stdout=out,
                                       stderr=err, text=True)
                      for command, (out, err) in zip(commands, outputs, strict=True)]
         try:
@@ -80,12 +80,14 @@ def run_torchrun_nodes(script: str | Path, *args: str, num_nodes: int, nproc_per
                                                        err.read()))
     for result in results:
         if result.returncode != 0:
-            raise _failure(result.args, f"exited with {result.returncode} (killed after "
+            raise launch_failure(result.args, f"exited with {result.returncode} (killed after "
                                         f"{timeout_s}s if negative)", result.stdout, result.stderr)
     return results
 
 
-def _env(env: dict[str, str] | None) -> dict[str, str]:
+def launch_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The environment of a launch's processes: this one's, unbuffered, one OpenMP thread, and
+    ``env``."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
 
 
@@ -98,13 +100,14 @@ def _finish(process: subprocess.Popen, command: list[str], timeout_s: float, *,
     except subprocess.TimeoutExpired:
         process.kill()
         stdout, stderr = process.communicate()
-        raise _failure(command, f"did not finish within {timeout_s}s", stdout, stderr) from None
+        raise launch_failure(command, f"did not finish within {timeout_s}s", stdout,
+                             stderr) from None
     if (process.returncode != 0) != expect_failure:
-        raise _failure(command, f"exited with {process.returncode}", stdout, stderr)
+        raise launch_failure(command, f"exited with {process.returncode}", stdout, stderr)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def _failure(command: list[str], what: str, stdout: str, stderr: str) -> AssertionError:
+def launch_failure(command: list[str], what: str, stdout: str, stderr: str) -> AssertionError:
     """The error of a launch that went wrong: the command, what happened, its output's tail."""
     return AssertionError(f"{' '.join(command)} {what}\n--- stdout ---\n{stdout[-10000:]}\n"
                           f"--- stderr ---\n{stderr[-10000:]}")

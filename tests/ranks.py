@@ -1,7 +1,11 @@
-"""Run a scenario function on several freshly spawned gloo ranks and collect their results.
+"""Run a scenario function on several fresh gloo ranks and collect their results.
 
-Each rank runs ``scenario(rank, *args)`` in a spawned process joined to a gloo default group on a
+Each rank runs ``scenario(rank, *args)`` in a fresh process joined to a gloo default group on a
 free port, and writes the returned JSON (or the uncaught error) to a file the test reads back.
+
+The processes come from one fork server per test session that has imported torch and the
+library once (``start_process``): a fresh process then costs a fork, not the seconds of those
+imports, and still starts with no state of the test process (no process group, no engine).
 """
 
 from __future__ import annotations
@@ -9,14 +13,25 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import runpy
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
+from multiprocessing.connection import wait
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.launch import free_port
+from mcore_refit.logs import lock_progress_bars_within_the_process
+from tests.launch import free_port, launch_env, launch_failure, run_torchrun
+
+# Imported once by the fork server; each process forked from it starts with them loaded
+# (tests.preload: torch, the library, Megatron-Core and the bridges of the tests' models).
+_PRELOAD = ["tests.preload"]
 
 # The default group's own timeout: far above the bounded waits under test, so those fire first.
 GROUP_TIMEOUT_S = 60
@@ -39,9 +54,28 @@ def _entry(scenario, rank: int, world: int, port: int, out_dir: str, args: tuple
     os._exit(0)
 
 
+def process_context():
+    """The multiprocessing context of the tests' fresh processes: the fork server, which imports
+    ``_PRELOAD`` when it starts (at the first process of the session).
+
+    A process from it carries the environment of the test process as it was when the server
+    started, not as it is when the process starts: pass what a process needs as arguments.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def warm_fork_server() -> None:
+    """Start the fork server and wait until it has done its imports (it forks a no-op)."""
+    process = process_context().Process(target=int)
+    process.start()
+    process.join()
+
+
 def run_ranks(scenario, world: int, tmp_path: Path, *args, timeout_s: float = 60) -> dict:
-    """Run ``scenario(rank, *args)`` on ``world`` spawned gloo ranks; results by rank."""
-    context = mp.get_context("spawn")
+    """Run ``scenario(rank, *args)`` on ``world`` fresh gloo ranks; results by rank."""
+    context = process_context()
     port = free_port()
     release = context.Event()
     processes = [context.Process(target=_entry,
@@ -65,3 +99,91 @@ def run_ranks(scenario, world: int, tmp_path: Path, *args, timeout_s: float = 60
         path = tmp_path / f"{rank}.json"
         results[rank] = json.loads(path.read_text()) if path.exists() else None
     return results
+
+
+def run_script(script: str | Path, *args: str, nproc: int,
+               timeout_s: float) -> subprocess.CompletedProcess:
+    """Run ``script`` as ``torchrun --nproc-per-node nproc`` would, each rank forked from the fork
+    server instead of a fresh interpreter (start-up without the seconds of imports): torchrun's
+    variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) with the key-value
+    store on ``MASTER_PORT`` hosted here as torchrun's agent hosts it, ``sys.argv`` and the
+    script's folder first on ``sys.path``; as under torchrun, the first rank to fail stops the
+    others. Raises with every rank's output on a failure or after ``timeout_s``.
+
+    For scenario scripts, whose point is not the launcher (recipes run under torchrun itself);
+    with CUDA, where the fork server must not hold a CUDA context for its children, it is
+    torchrun too."""
+    if torch.cuda.is_available():
+        return run_torchrun(script, *args, nproc=nproc, timeout_s=timeout_s)
+    context = process_context()
+    port = free_port()
+    command = [f"<fork server> {script}", *args, f"({nproc} ranks)"]
+    # The launcher's key-value store, as torchrun's agent hosts it: the ranks' env:// groups and
+    # a non-colocated job's groups meet in it.
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    with tempfile.TemporaryDirectory(prefix="ranks") as logs:
+        processes = []
+        for rank in range(nproc):
+            env = {**launch_env(None), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                   "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "TORCHELASTIC_USE_AGENT_STORE": "True"}
+            process = context.Process(target=_script_rank, args=(str(script), args, env, logs))
+            process.start()
+            processes.append(process)
+        deadline = time.monotonic() + timeout_s
+        running, failed = list(processes), False
+        while running and not failed and time.monotonic() < deadline:
+            ended = wait([p.sentinel for p in running],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            running = [p for p in running if p.sentinel not in ended]
+            failed = any(p.exitcode for p in processes if p not in running)  # torchrun stops
+        timed_out = bool(running) and not failed  # the other ranks then, as here
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        outputs = [(Path(logs, f"{rank}.out"), Path(logs, f"{rank}.err"))
+                   for rank in range(nproc)]
+        stdout = "".join(out.read_text() for out, _ in outputs if out.exists())
+        stderr = "".join(f"--- rank {rank} ---\n{err.read_text()}"
+                         for rank, (_, err) in enumerate(outputs) if err.exists())
+    del store
+    codes = [p.exitcode for p in processes]
+    if timed_out:
+        raise launch_failure(command, f"did not finish within {timeout_s}s (exit codes {codes})",
+                             stdout, stderr)
+    if any(codes):
+        raise launch_failure(command, f"failed: exit codes {codes}", stdout, stderr)
+    return subprocess.CompletedProcess(command, 0, stdout, stderr)
+
+
+def _script_rank(script: str, args: tuple, env: dict[str, str], logs: str) -> None:
+    """One rank of :func:`run_script`: the script as ``__main__``, its output in ``logs``."""
+    os.environ.clear()
+    os.environ.update(env)
+    rank = env["RANK"]
+    for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
+        os.dup2(os.open(Path(logs, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    # The rank ends with os._exit, which unlinks no named semaphore: no multiprocessing lock for
+    # progress bars (the launch's resource tracker would report it leaked).
+    lock_progress_bars_within_the_process()
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).parent))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        if isinstance(exit_.code, int) or exit_.code is None:
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

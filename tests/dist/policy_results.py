@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
+from tests.ranks import run_script
 
 SCENARIOS = REPO_ROOT / "tests" / "dist" / "scenarios"
 
@@ -24,7 +25,7 @@ def run_parity(*, hf_path: Path, out_dir: Path, nproc: int, layouts: list[str],
         args += ["--tied-hf-path", str(tied_hf_path), "--tied-layouts", *tied_layouts]
     if temperature_layouts:
         args += ["--temperature-layouts", *temperature_layouts]
-    result = run_torchrun(SCENARIOS / "policy_parity.py", *args, nproc=nproc, timeout_s=timeout_s)
+    result = run_script(SCENARIOS / "policy_parity.py", *args, nproc=nproc, timeout_s=timeout_s)
     return result.stdout
 
 

@@ -1,4 +1,4 @@
-"""The control plane on 3 spawned gloo ranks: JSON and bytes round trips, outcomes raised on every
+"""The control plane on 3 fresh gloo ranks: JSON and bytes round trips, outcomes raised on every
 rank with the failing rank's traceback (root cause first), and bounded waits."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Export and gradient parity with Hugging Face across layouts (2 ranks, gloo, one torchrun)."""
+"""Export and gradient parity with Hugging Face across layouts (2 and 4 ranks, gloo; the launches
+are shared with test_moe_parity, see conftest.py)."""
 
-import json
 import re
 
 import pytest
 
+from tests.dist.conftest import EXPORT_PARITY_X4, scenario_report
 from tests.launch import REPO_ROOT, last_json_line, run_torchrun
 
-SCENARIOS = REPO_ROOT / "tests" / "dist" / "scenarios" / "export_parity.py"
 RESHAPED = ("decoder.final_layernorm.weight: the parameter was replaced by one of shape (63,) "
             "and dtype torch.float32; the refit plan has (64,) and torch.float32: build a new "
             "plan and refitter for the changed model")
@@ -30,12 +30,13 @@ EXPECTED_TENSORS_X4 = {
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("export_parity")
-    out = workdir / "results.json"
-    run_torchrun(SCENARIOS, "--workdir", str(workdir), "--out", str(out), nproc=2,
-                 timeout_s=600)
-    return json.loads(out.read_text())
+def results(export_parity_x2):
+    return export_parity_x2
+
+
+@pytest.fixture(scope="module")
+def results_x4(export_parity_x4):
+    return export_parity_x4
 
 
 def assert_exact_with_parity(report, scenario):
@@ -53,22 +54,23 @@ def assert_exact_with_parity(report, scenario):
     assert report["passed"] is True
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("scenario", sorted(EXPECTED_TENSORS))
 def test_layout_exports_exactly_with_gradient_parity(results, scenario):
-    assert results[scenario]["device"] == "cpu"
-    assert_exact_with_parity(results[scenario], scenario)
+    report = scenario_report(results, scenario)
+    assert report["device"] == "cpu"
+    assert_exact_with_parity(report, scenario)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(960)
 def test_corrupted_weight_is_named(results):
-    assert results["corrupted"] == {"mismatched": ["model.norm.weight"], "missing": [],
-                                    "unexpected": []}
+    assert scenario_report(results, "corrupted") == {
+        "mismatched": ["model.norm.weight"], "missing": [], "unexpected": []}
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(960)
 def test_export_reads_current_parameters(results):
-    fresh = dict(results["fresh"])
+    fresh = dict(scenario_report(results, "fresh"))
     reshaped = fresh.pop("reshaped")
     assert fresh == {"in_place": [3.0], "tasks_reused": True, "replaced": [5.0],
                      "tasks_rebuilt": True, "source_in_place": [3.0], "source_replaced": [5.0]}
@@ -77,31 +79,21 @@ def test_export_reads_current_parameters(results):
     assert reshaped[1] == RESHAPED
 
 
-@pytest.fixture(scope="module")
-def results_x4(tmp_path_factory):
-    """Both dtypes at TP2×PP2×VPP2, and a corrupted TP shard, in one 4-rank launch."""
-    workdir = tmp_path_factory.mktemp("export_parity_x4")
-    out = workdir / "results.json"
-    run_torchrun(SCENARIOS, "--workdir", str(workdir), "--out", str(out),
-                 "--checks", "corrupted", "--corrupt-layout", "llama8_tp2_pp2_vpp2", nproc=4,
-                 timeout_s=400)
-    return json.loads(out.read_text())
-
-
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(860)
 @pytest.mark.parametrize("scenario", sorted(EXPECTED_TENSORS_X4))
 def test_tp2_pp2_vpp2_exports_exactly_with_gradient_parity(results_x4, scenario):
-    report = results_x4[scenario]
+    report = scenario_report(results_x4, scenario)
     assert (report["tp"], report["pp"], report["vpp"], report["device"]) == (2, 2, 2, "cpu")
     assert_exact_with_parity(report, scenario)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(860)
 def test_corrupted_tensor_parallel_shard_is_named(results_x4):
     """One TP rank's shard of a row-parallel weight, perturbed: the gathered tensor differs."""
-    assert set(results_x4) == {*EXPECTED_TENSORS_X4, "corrupted"}
-    assert results_x4["corrupted"] == {"mismatched": ["model.layers.7.self_attn.o_proj.weight"],
-                                       "missing": [], "unexpected": []}
+    assert set(results_x4) == {*EXPORT_PARITY_X4, "corrupted"}
+    assert scenario_report(results_x4, "corrupted") == {
+        "mismatched": ["model.layers.7.self_attn.o_proj.weight"], "missing": [],
+        "unexpected": []}
 
 
 @pytest.fixture(scope="module")

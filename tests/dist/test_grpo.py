@@ -12,6 +12,7 @@ import torch
 
 from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT, last_json_line, run_torchrun
+from tests.ranks import run_script
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
@@ -98,9 +99,9 @@ def test_non_colocated_run_refits_by_broadcast(checkpoint, tmp_path):
 
 
 def run_fault(fault, checkpoint, tmp_path, *overrides):
-    run_torchrun(FAULTS, "--fault", fault, "--config", str(COLOCATED), "--out", str(tmp_path),
-                 f"model.hf_path={checkpoint}", f"run.output_dir={tmp_path / 'run'}",
-                 *overrides, nproc=2, timeout_s=540)
+    run_script(FAULTS, "--fault", fault, "--config", str(COLOCATED), "--out", str(tmp_path),
+               f"model.hf_path={checkpoint}", f"run.output_dir={tmp_path / 'run'}", *overrides,
+               nproc=2, timeout_s=540)
 
 
 @pytest.mark.timeout(600)
@@ -134,10 +135,10 @@ def test_an_engine_that_cannot_connect_fails_every_rank_before_the_export(checkp
 def test_a_failed_broadcast_refit_fails_every_trainer_rank(checkpoint, tmp_path):
     # Trainer rank 0's export misnames a tensor in the second refit: the broadcast aborts, both
     # trainer ranks raise rank 0's error, and the inference rank is stopped cleanly.
-    run_torchrun(FAULTS, "--fault", "misname_refit", "--config", str(NON_COLOCATED),
-                 "--out", str(tmp_path), f"model.hf_path={checkpoint}",
-                 f"run.output_dir={tmp_path / 'run'}", "run.steps=3",
-                 "refit.transport.timeout_s=60", nproc=3, timeout_s=540)
+    run_script(FAULTS, "--fault", "misname_refit", "--config", str(NON_COLOCATED),
+               "--out", str(tmp_path), f"model.hf_path={checkpoint}",
+               f"run.output_dir={tmp_path / 'run'}", "run.steps=3",
+               "refit.transport.timeout_s=60", nproc=3, timeout_s=540)
     raised = raised_on_both_ranks(tmp_path)
     assert raised.startswith("RefitError: refit 1 failed on trainer rank 0: packing buffer 0: "
                              "ValueError: the weight source yielded 'model.misnamed.weight'"), \

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist.policy_results import SCENARIOS, bitwise_equal, load, max_abs_diff, step_values
-from tests.launch import run_torchrun
+from tests.ranks import run_script
 
 CASES = ("pp2_vpp2_fp32", "dp2_bf16_distopt")
 
@@ -24,8 +24,8 @@ def results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("policy_state")
     hf_path = write_tiny_checkpoint(workdir / "llama8", TinyModelSpec(num_layers=8))
     out = workdir / "results.pt"
-    run_torchrun(SCENARIOS / "policy_state.py", "--hf-path", str(hf_path), "--workdir",
-                 str(workdir), "--out", str(out), nproc=2, timeout_s=600)
+    run_script(SCENARIOS / "policy_state.py", "--hf-path", str(hf_path), "--workdir",
+               str(workdir), "--out", str(out), nproc=2, timeout_s=600)
     return load(out)
 
 

@@ -1,6 +1,6 @@
 """Non-colocated transport on CPU (gloo, 2-4 real processes): bitwise round trips and failures.
 
-Every scenario runs in freshly spawned processes on a free port; each rank writes a JSON result
+Every scenario runs in fresh processes on a free port; each rank writes a JSON result
 that the test asserts on. The ranks form a non-colocated job by hand: trainer ranks first, then
 inference ranks, a control group over all of them and a data group per source trainer rank.
 Failures must reach every rank as a RefitError naming the rank, within the configured timeout.
@@ -145,7 +145,7 @@ def _receive_checks(job, specs, options, expected_of, *, versions=(1, 2)) -> lis
     return checks
 
 
-# --- scenarios (run inside spawned ranks) -----------------------------------------------------
+# --- scenarios (run inside fresh ranks) -------------------------------------------------------
 
 
 def one_source(rank: int, num_slots_list: list[int]) -> dict:

@@ -1,4 +1,4 @@
-"""Colocated transport on CPU: the trainer in the test process, the engine in a spawned process.
+"""Colocated transport on CPU: the trainer in the test process, the engine in a fresh process.
 
 Same protocol as on GPU (ZMQ REQ/REP, ACK before reuse, COMPLETE summary) with shared-memory
 buffers instead of CUDA IPC handles. Round trips must be bitwise exact; every failure must be a
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import zmq
 
 from mcore_refit.bench.synthetic import SyntheticWeightSource, TensorListSource, tiny_mixed_specs
@@ -39,6 +38,7 @@ from mcore_refit.refit import (
 )
 from mcore_refit.refit.transports.ipc_files import create_shared_cpu_slot, private_runtime_dir
 from mcore_refit.refit.transports.wire import BufferReady, decode, encode
+from tests.ranks import process_context
 from tests.tensors import bits
 
 CPU = torch.device("cpu")
@@ -124,7 +124,7 @@ def engine_main(address: str, options: TransportOptions, out_path: str, num_refi
 def start_engine(address: str, options: TransportOptions, out_path: Path, *, num_refits: int,
                  script: dict | None = None, drop_name: str | None = None,
                  own_plan_json: str | None = None, trainer_refits_before: int = 0):
-    process = mp.get_context("spawn").Process(
+    process = process_context().Process(
         target=engine_main, args=(address, options, str(out_path), num_refits, script or {},
                                   drop_name, own_plan_json, trainer_refits_before))
     process.start()
@@ -365,7 +365,7 @@ def test_shared_weights_load_rows_that_lie_apart_as_runs_of_the_trainer_memory(i
     config = _options(ipc_dir)
     source = _FusedSource(private_runtime_dir(ipc_dir))
     refitter = _shared_refitter(source, config, "cpu-runs")
-    engine = mp.get_context("spawn").Process(
+    engine = process_context().Process(
         target=_fused_engine_main,
         args=(refitter.sender.address, config, str(tmp_path / "engine.json")))
     engine.start()

@@ -11,18 +11,53 @@ import json
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
+from tests.ranks import run_script
 
 SCENARIO = REPO_ROOT / "tests" / "dist" / "scenarios" / "refit_layouts.py"
+# The QKV row probe refused (a case of the scenario: LAYOUT~MAPPING).
+NO_QKV_PROBE = "~QKVMapping"
+
+# Four launches serve the module, one per world size and placement; each runs its cases in
+# sequence in the same ranks (start-up once) and every test asserts on its own cases.
+NON_COLOCATED_X2 = ["llama8_tp2", "qwen2_tied_tp2", "llama8_pp2", "llama8_tied_pp2_vpp2",
+                    "qwen2_pp2_vpp2"]
+COLOCATED_X2 = ["llama8_tp2", "qwen2_tied_tp2", "llama8_pp2", "llama8_tied_pp2_vpp2"]
+NOT_ROW_MOVES = ["llama8_tp2" + NO_QKV_PROBE, "llama8_pp2" + NO_QKV_PROBE]
+MOE = ["moe_ep2", "moe_pp2"]
+TP2_PP2_VPP2 = ["llama8_tp2_pp2_vpp2", "qwen2_tied_tp2_pp2_vpp2"]
 
 
-def _run(tmp_path, *, nproc: int, placement: str, layouts: list[str], timeout_s: float,
-         no_probe: tuple[str, ...] = ()) -> dict:
-    out = tmp_path / "results.json"
-    run_torchrun(SCENARIO, "--workdir", str(tmp_path), "--out", str(out), "--placement",
-                 placement, "--layouts", *layouts, "--no-probe", *no_probe, nproc=nproc,
-                 timeout_s=timeout_s)
+def _launch(workdir, *, nproc: int, placement: str, cases: list[str], timeout_s: float) -> dict:
+    out = workdir / "results.json"
+    run_script(SCENARIO, "--workdir", str(workdir), "--out", str(out), "--placement",
+                 placement, "--cases", *cases, nproc=nproc, timeout_s=timeout_s)
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def non_colocated_x2(tmp_path_factory):
+    """2 trainer ranks and an inference rank: the standard layouts, the conversions that are not
+    row moves, and MoE."""
+    return _launch(tmp_path_factory.mktemp("non_colocated_x2"), nproc=3,
+                   placement="non_colocated", cases=NON_COLOCATED_X2 + NOT_ROW_MOVES + MOE,
+                   timeout_s=840)
+
+
+@pytest.fixture(scope="module")
+def colocated_x2(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("colocated_x2"), nproc=2, placement="colocated",
+                   cases=COLOCATED_X2 + MOE, timeout_s=600)
+
+
+def _cases(results: dict, cases: list[str]) -> dict:
+    """The launch's results of ``cases``, each present, none raised on any rank (else the
+    rank's traceback)."""
+    assert set(cases) <= set(results), (sorted(cases), sorted(results))
+    for case in cases:
+        for name, result in results[case].items():
+            assert "error" not in result, f"{case} raised on {name}:\n{result['error']}"
+    return {case: results[case] for case in cases}
 
 
 def _kinds(results: dict) -> set[str]:
@@ -44,65 +79,54 @@ def _check_receiving(results: dict, *, sources: list[int]) -> None:
                 assert result["engine_verified"] == [True, True], (layout, name)
 
 
-@pytest.mark.timeout(420)
-def test_non_colocated_two_trainer_ranks(tmp_path):
-    layouts = ["llama8_tp2", "qwen2_tied_tp2", "llama8_pp2", "llama8_tied_pp2_vpp2",
-               "qwen2_pp2_vpp2"]
-    results = _run(tmp_path, nproc=3, placement="non_colocated", layouts=layouts,
-                   timeout_s=400)
-    assert sorted(results) == sorted(layouts)
+@pytest.mark.timeout(900)
+def test_non_colocated_two_trainer_ranks(non_colocated_x2):
+    results = _cases(non_colocated_x2, NON_COLOCATED_X2)
     for ranks in results.values():
         assert set(ranks) == {"rank0", "rank1", "rank2"} and len(ranks["rank2"]["checks"]) == 2
     _check_receiving(results, sources=[0, 1])
     assert _kinds(results) == {"compiled"}  # every standard mapping only moves rows
 
 
-@pytest.mark.timeout(420)
-def test_colocated_two_trainer_ranks(tmp_path):
-    layouts = ["llama8_tp2", "qwen2_tied_tp2", "llama8_pp2", "llama8_tied_pp2_vpp2"]
-    results = _run(tmp_path, nproc=2, placement="colocated", layouts=layouts, timeout_s=400)
-    assert sorted(results) == sorted(layouts)
+@pytest.mark.timeout(900)
+def test_colocated_two_trainer_ranks(colocated_x2):
+    results = _cases(colocated_x2, COLOCATED_X2)
     _check_receiving(results, sources=[0, 1])
     assert _kinds(results) == {"compiled"}
 
 
-@pytest.mark.timeout(300)
-def test_conversions_that_are_not_row_moves(tmp_path):
+@pytest.mark.timeout(900)
+def test_conversions_that_are_not_row_moves(non_colocated_x2):
     """Without the row probe for QKV (as for a mapping that does arithmetic), QKV tensors take
     Bridge's full export at TP2 (sharded: the other ranks read it in step) and Bridge's
     conversion on their own rank at PP2; still bitwise."""
-    results = _run(tmp_path, nproc=3, placement="non_colocated",
-                   layouts=["llama8_tp2", "llama8_pp2"], timeout_s=280, no_probe=("QKVMapping",))
+    results = _cases(non_colocated_x2, NOT_ROW_MOVES)
     _check_receiving(results, sources=[0, 1])
-    tp2 = {k for r in results["llama8_tp2"].values() for k in r.get("kinds", {})}
-    pp2 = {k for r in results["llama8_pp2"].values() for k in r.get("kinds", {})}
+    tp2 = {k for r in results["llama8_tp2" + NO_QKV_PROBE].values() for k in r.get("kinds", {})}
+    pp2 = {k for r in results["llama8_pp2" + NO_QKV_PROBE].values() for k in r.get("kinds", {})}
     assert tp2 == {"compiled", "fallback"} and pp2 == {"compiled", "converted"}
 
 
 @pytest.mark.timeout(480)
 def test_tp2_pp2_vpp2_on_four_trainer_ranks_both_placements(tmp_path):
-    colocated = _run(tmp_path / "colocated", nproc=4, placement="colocated",
-                     layouts=["llama8_tp2_pp2_vpp2", "qwen2_tied_tp2_pp2_vpp2"], timeout_s=230)
+    colocated = _cases(_launch(tmp_path / "colocated", nproc=4, placement="colocated",
+                               cases=TP2_PP2_VPP2, timeout_s=230), TP2_PP2_VPP2)
     _check_receiving(colocated, sources=[0, 1, 2, 3])
-    split = _run(tmp_path / "split", nproc=5, placement="non_colocated",
-                 layouts=["llama8_tp2_pp2_vpp2"], timeout_s=230)
+    split = _cases(_launch(tmp_path / "split", nproc=5, placement="non_colocated",
+                           cases=TP2_PP2_VPP2[:1], timeout_s=230), TP2_PP2_VPP2[:1])
     assert len(split["llama8_tp2_pp2_vpp2"]["rank4"]["checks"]) == 2
     _check_receiving(split, sources=[0, 1, 2, 3])
 
 
-@pytest.mark.timeout(600)
-def test_moe_into_the_hf_engine_both_placements(tmp_path):
+@pytest.mark.timeout(900)
+def test_moe_into_the_hf_engine_both_placements(non_colocated_x2, colocated_x2):
     """Qwen3-MoE (8 experts) at EP2 and PP2 refits into the HF model itself: every per-expert
     tensor lands in its rows of transformers' fused expert tensors, bitwise, read back by name;
     each EP rank sends the experts it holds."""
-    layouts = ["moe_ep2", "moe_pp2"]
-    split = _run(tmp_path / "split", nproc=3, placement="non_colocated", layouts=layouts,
-                 timeout_s=290)
-    assert sorted(split) == layouts
+    split = _cases(non_colocated_x2, MOE)
     for ranks in split.values():
         assert len(ranks["rank2"]["checks"]) == 2
     _check_receiving(split, sources=[0, 1])
-    colocated = _run(tmp_path / "colocated", nproc=2, placement="colocated", layouts=layouts,
-                     timeout_s=290)
+    colocated = _cases(colocated_x2, MOE)
     _check_receiving(colocated, sources=[0, 1])
     assert _kinds(split) == _kinds(colocated) == {"compiled"}

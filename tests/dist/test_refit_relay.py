@@ -62,7 +62,7 @@ def _relay_options(**overrides):
     return _options(fanout="relay", **overrides)
 
 
-# --- scenarios (run inside spawned ranks) -----------------------------------------------------
+# --- scenarios (run inside fresh ranks) -------------------------------------------------------
 
 
 def relay_round_trip(rank: int, trainers: int, receivers: int) -> dict:

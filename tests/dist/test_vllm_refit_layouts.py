@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
+from tests.ranks import run_script
 
 SCENARIO = REPO_ROOT / "tests" / "dist" / "scenarios" / "vllm_refit.py"
 DENSE = ["tp1", "pp2_vpp2", "tp2"]
@@ -18,9 +19,9 @@ MOE = ["moe_ep2"]
 def _run(tmp_path, *, nproc: int, placement: str, layouts: list[str], timeout_s: float,
          ipc_dir: str | None = None) -> dict:
     out = tmp_path / "results.json"
-    run_torchrun(SCENARIO, "--workdir", str(tmp_path), "--out", str(out), "--placement",
-                 placement, "--layouts", *layouts, *(["--ipc-dir", ipc_dir] if ipc_dir else []),
-                 nproc=nproc, timeout_s=timeout_s)
+    run_script(SCENARIO, "--workdir", str(tmp_path), "--out", str(out), "--placement",
+               placement, "--layouts", *layouts, *(["--ipc-dir", ipc_dir] if ipc_dir else []),
+               nproc=nproc, timeout_s=timeout_s)
     results = json.loads(out.read_text())
     assert sorted(results) == sorted(layouts)
     return results

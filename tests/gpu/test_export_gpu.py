@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from tests.dist.test_export_parity import EXPECTED_TENSORS, SCENARIOS, assert_exact_with_parity
+from tests.dist.conftest import EXPORT_PARITY
+from tests.dist.test_export_parity import EXPECTED_TENSORS, assert_exact_with_parity
 from tests.launch import run_torchrun
 
 pytestmark = [
@@ -18,7 +19,7 @@ pytestmark = [
 def results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("export_parity_gpu")
     out = workdir / "results.json"
-    run_torchrun(SCENARIOS, "--workdir", str(workdir), "--out", str(out), nproc=2,
+    run_torchrun(EXPORT_PARITY, "--workdir", str(workdir), "--out", str(out), nproc=2,
                  timeout_s=600)
     return json.loads(out.read_text())
 

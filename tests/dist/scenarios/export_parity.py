@@ -4,12 +4,16 @@
 Runs the export verifier over several layouts and architectures in one process group, plus two
 negative checks (a corrupted weight is caught; a replaced Parameter is exported fresh). Without
 --only, the scenarios run are those whose tensor × pipeline size equals the number of ranks (2:
-TP2, PP2, PP2×VPP2, ...; 4: TP2×PP2×VPP2). Rank 0 writes {scenario: result} to --out.
+TP2, PP2, PP2×VPP2, ...; 4: TP2×PP2×VPP2). Rank 0 writes {scenario: result} to --out; a
+scenario that raised on rank 0 has {"error": traceback} there, and the next one still runs.
 """
 
 import argparse
 import json
 import os
+import sys
+import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -171,6 +175,14 @@ def gemma2_error(path, device) -> str | None:
     return None
 
 
+def verified(model_config: ModelConfig, parallel: ParallelConfig, device) -> dict:
+    """The export verifier's report of one layout."""
+    from mcore_refit.verify import verify_layout
+
+    report = verify_layout(model_config, parallel, device=device, seed=1234)
+    return {**report.as_dict(), "passed": report.passed}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
@@ -187,8 +199,6 @@ def main():
     only = args.only if args.only is not None else [
         name for name, (_, parallel, _) in LAYOUTS.items()
         if parallel.model_parallel_size == context.world_size]
-    from mcore_refit.verify import verify_layout
-
     workdir = Path(args.workdir)
     layouts = {**LAYOUTS, **MOE_LAYOUTS}
     needed = {layouts[name][0] for name in only} | ({"gemma2"} & set(args.checks))
@@ -197,23 +207,29 @@ def main():
             if name in CHECKPOINTS or name in needed:
                 write_tiny_checkpoint(workdir / name, spec)
     dist.barrier()
+    scenarios = {}
+    for scenario, (checkpoint, parallel, dtype) in layouts.items():
+        if scenario in only:
+            model_config = ModelConfig(hf_path=str(workdir / checkpoint), dtype=dtype)
+            scenarios[scenario] = partial(verified, model_config, parallel, context.device)
+    if "corrupted" in args.checks:
+        checkpoint, parallel, _ = LAYOUTS[args.corrupt_layout]
+        scenarios["corrupted"] = partial(corrupted_weight_is_caught, workdir / checkpoint,
+                                         context.device, parallel)
+    if "gemma2" in args.checks:
+        scenarios["gemma2"] = partial(gemma2_error, workdir / "gemma2", context.device)
+    if "fresh" in args.checks:
+        scenarios["fresh"] = partial(export_reads_current_parameters, workdir / "llama8",
+                                     context.device)
     results = {}
     try:
-        for scenario, (checkpoint, parallel, dtype) in layouts.items():
-            if scenario not in only:
-                continue
-            model_config = ModelConfig(hf_path=str(workdir / checkpoint), dtype=dtype)
-            report = verify_layout(model_config, parallel, device=context.device, seed=1234)
-            results[scenario] = {**report.as_dict(), "passed": report.passed}
-        if "corrupted" in args.checks:
-            checkpoint, parallel, _ = LAYOUTS[args.corrupt_layout]
-            results["corrupted"] = corrupted_weight_is_caught(workdir / checkpoint,
-                                                              context.device, parallel)
-        if "gemma2" in args.checks:
-            results["gemma2"] = gemma2_error(workdir / "gemma2", context.device)
-        if "fresh" in args.checks:
-            results["fresh"] = export_reads_current_parameters(workdir / "llama8",
-                                                               context.device)
+        for scenario, run in scenarios.items():
+            try:
+                results[scenario] = run()
+            except Exception:  # this scenario's test reports it; the next one runs
+                results[scenario] = {"error": traceback.format_exc()}
+                print(f"{scenario} failed on rank {context.rank}:\n{results[scenario]['error']}",
+                      file=sys.stderr, flush=True)
     finally:
         distributed.shutdown()
     if context.rank == 0:

@@ -1,9 +1,12 @@
 """torchrun --nproc-per-node N refit_layouts.py --workdir DIR --out RESULTS.json --placement P
-                 --layouts NAME [NAME ...]
+                 --cases CASE [CASE ...]
 
-Refits a tiny Megatron model, laid out as each named layout, into engines and checks every engine
+Refits a tiny Megatron model, laid out as each case's layout, into engines and checks every engine
 tensor bit for bit against Megatron-Bridge's own (full) export of the same model, twice (the
-weights change in between, so stale bytes would show).
+weights change in between, so stale bytes would show). A case is a layout's name, or
+``LAYOUT~MAPPING[,MAPPING...]``: the layout with the row probe refused for those mapping classes
+(as for a mapping that does more than move rows). The cases run one after another in the same
+ranks, so the launch's start-up is paid once.
 
 - ``--placement non_colocated``: the first ranks train (as many as the layout needs), the rest
   are inference ranks of a non-colocated job; each tensor goes from the trainer rank that
@@ -15,13 +18,16 @@ Mixture-of-experts layouts (``moe_*``, Qwen3-MoE with 8 experts) refit into the 
 (:class:`~mcore_refit.refit.HFModelEngine`: per-expert names written into transformers' fused
 expert tensors) and are checked through it by name.
 
-Rank 0 writes ``{layout: {"rank<r>": result}}`` to --out.
+Rank 0 writes ``{case: {"rank<r>": result}}`` to --out; a case that raised on a rank has
+``{"error": traceback}`` there, and the next case still runs.
 """
 
 import argparse
 import json
 import os
+import sys
 import threading
+import traceback
 from pathlib import Path
 
 import torch
@@ -104,38 +110,56 @@ def kinds(export) -> dict[str, int]:
     return counts
 
 
+def parse_case(case: str) -> tuple[str, frozenset[str]]:
+    """``(layout, mapping classes that skip the row probe)`` of a case name."""
+    layout, _, skipped = case.partition("~")
+    if layout not in LAYOUTS:
+        raise SystemExit(f"unknown layout {layout!r} in case {case!r}; choose from "
+                         f"{sorted(LAYOUTS)}")
+    return layout, frozenset(filter(None, skipped.split(",")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--placement", choices=["colocated", "non_colocated"], required=True)
-    parser.add_argument("--layouts", nargs="+", required=True)
-    parser.add_argument("--no-probe", nargs="*", default=[],
-                        help="mapping classes whose tasks skip the row probe (as a mapping "
-                             "that does more than move rows would)")
+    parser.add_argument("--cases", nargs="+", required=True)
     args = parser.parse_args()
-    SkippingProbe.skipped = frozenset(args.no_probe)
+    cases = {case: parse_case(case) for case in args.cases}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainers = max(LAYOUTS[name][1].model_parallel_size * LAYOUTS[name][1].expert
-                   for name in args.layouts)
+                   for name, _ in cases.values())
     workdir = Path(args.workdir)
     context, job = start(args.placement, rank=rank, world=world,
                          num_inference_ranks=world - trainers)
     results = {}
-    for name in args.layouts:
+    for case, (name, skipped) in cases.items():
+        SkippingProbe.skipped = skipped
         checkpoint, parallel = LAYOUTS[name]
-        path = written_checkpoint(workdir / checkpoint, CHECKPOINTS[checkpoint], rank=rank,
-                                  job=job)
-        if job is None:
-            results[name] = colocated(path, parallel, context=context)
-        elif job.is_trainer:
-            results[name] = trainer(path, parallel, job=job)
-        else:
-            results[name] = receiver(job, path)
+        try:
+            path = written_checkpoint(workdir / checkpoint, CHECKPOINTS[checkpoint], rank=rank,
+                                      job=job)
+            if job is None:
+                results[case] = colocated(path, parallel, context=context)
+            elif job.is_trainer:
+                results[case] = trainer(path, parallel, job=job)
+            else:
+                results[case] = receiver(job, path)
+        except Exception:  # this case's test reports it; the next case runs
+            results[case] = {"error": traceback.format_exc()}
+            print(f"case {case} failed on rank {rank}:\n{results[case]['error']}",
+                  file=sys.stderr, flush=True)
     gathered = share(results, job, rank)
     if rank == 0:
         Path(args.out).write_text(json.dumps(gathered))
     distributed.shutdown()
+
+
+def launch_id() -> str:
+    """This launch's name among the host's: its rendezvous port (its agent's pid would not do for
+    ranks forked from a fork server that serves several launches)."""
+    return os.environ["MASTER_PORT"]
 
 
 def start(placement: str, *, rank: int, world: int, num_inference_ranks: int):
@@ -217,7 +241,7 @@ def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
                                  control=ControlGroup(job.refit_control, timeout_s=120),
                                  data_group=job.data_groups.get(job.context.rank),
                                  device=job.context.device, options=OPTIONS,
-                                 cpu_device_id=f"layouts{os.getppid()}")
+                                 cpu_device_id=f"layouts{launch_id()}")
         refits = []
         with Refitter(source=export, sender=sender) as refitter:
             refitter.prepare()
@@ -266,10 +290,10 @@ def colocated(path: Path, parallel: ParallelConfig, *, context) -> dict:
         export = SkippingExport(model, control=control, device=context.device)
         plan = plan_for_source(export, config=PLAN, device=context.device)
         options = TransportOptions(**{**OPTIONS.__dict__,
-                                      "ipc_dir": f"/tmp/layouts-{os.getppid()}"})
+                                      "ipc_dir": f"/tmp/layouts-{launch_id()}"})
         Path(options.ipc_dir).mkdir(exist_ok=True)
         sender = ColocatedSender(plan=plan, device=context.device, options=options,
-                           cpu_device_id=f"layouts{os.getppid()}-rank{context.rank}",
+                           cpu_device_id=f"layouts{launch_id()}-rank{context.rank}",
                            trainers=dist.group.WORLD, control=control, rank=context.rank)
         engine = make_engine(path, plan.specs(), context.device)
         served: list = []

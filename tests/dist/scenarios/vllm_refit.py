@@ -31,12 +31,19 @@ os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS":
                    "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"})
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+# Also where torch was imported before the environment was set (a rank forked from the tests'
+# fork server): dynamo reads the switch at its import.
+torch._dynamo.config.disable = True
+
 from refit_layouts import (  # noqa: E402
     CPU,
     build,
     bump,
     kinds,
+    launch_id,
     reference,
     share,
     start,
@@ -130,7 +137,7 @@ def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
                                  control=control,
                                  data_group=job.data_groups.get(job.context.rank),
                                  device=job.context.device, options=OPTIONS,
-                                 cpu_device_id=f"vllm{os.getppid()}")
+                                 cpu_device_id=f"vllm{launch_id()}")
         refits = []
         with Refitter(source=export, sender=sender) as refitter:
             refitter.prepare()
@@ -180,7 +187,7 @@ def colocated(path: Path, parallel: ParallelConfig, *, context, engine: "Engine"
         plan = plan_for_source(export, config=PLAN, device=context.device)
         options = engine.options
         sender = ColocatedSender(plan=plan, device=context.device, options=options,
-                           cpu_device_id=f"vllm{os.getppid()}-rank{context.rank}",
+                           cpu_device_id=f"vllm{launch_id()}-rank{context.rank}",
                            trainers=dist.group.WORLD, control=control, rank=context.rank,
                            peer_alive=engine.alive_problem)
         checks = []
