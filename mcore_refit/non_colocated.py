@@ -2,9 +2,9 @@
 
 Each role gets its own default process group, and the groups across roles the refit and the
 commands use (:class:`NonColocatedJob`): the refit's control plane over every rank, a data group
-per source trainer rank (or the relay's two-rank links), the command group, and the
-:class:`~mcore_refit.refit.Placement` of ranks on devices. Library code never reads the
-environment; recipes pass torchrun's variables in.
+per source trainer rank (or the two-rank links of the relay and direct fan-outs), the command
+group, and the :class:`~mcore_refit.refit.Placement` of ranks on devices. Library code never
+reads the environment; recipes pass torchrun's variables in.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class NonColocatedJob:
       this rank is a member of, by trainer rank;
     - ``control_group`` (gloo): trainer rank 0 and every inference rank (its rank 0 is trainer
       rank 0) — commands to the inference ranks; None on the other trainer ranks;
-    - ``links`` (NCCL on GPU; only with ``fanout="relay"``): a two-rank group per direction of
-      each pair of ranks a relay refit moves buffers between, keyed by ``(from, to)`` job rank
-      (the sender is group rank 0; see
+    - ``links`` (NCCL on GPU; only with ``fanout="relay"`` or ``"direct"``): a two-rank group
+      per direction of each pair of ranks such a refit moves buffers between, keyed by
+      ``(from, to)`` job rank (the sender is group rank 0; see
       :mod:`mcore_refit.refit.transports.non_colocated.fanout`); this rank's own.
 
     ``placement`` says which trainer and inference ranks share a device (their buffers move over
@@ -78,8 +78,9 @@ def init_non_colocated_job(*, rank: int, world_size: int, local_rank: int, num_i
     key-value store (torchrun's ``MASTER_ADDR`` and ``MASTER_PORT``) and builds its role's
     default group and the cross-role groups it is a member of, from separate key prefixes.
     Call on every rank of the launch. With ``liveness_s``, ``context.peers`` watches every other
-    rank of the job, of both roles. ``fanout="relay"`` also builds the relay's links
-    (``refit.transport.fanout``).
+    rank of the job, of both roles. ``fanout="relay"`` also builds the relay's links,
+    ``fanout="direct"`` those from each source to its remote inference ranks (a subset of the
+    relay's: a job built for the relay runs the direct fan-out too; ``refit.transport.fanout``).
     """
     compat.install()
     if dist.is_initialized():
@@ -116,8 +117,9 @@ def init_non_colocated_job(*, rank: int, world_size: int, local_rank: int, num_i
                 dist.PrefixStore(f"refit-data/{source}/", store), rank=members.index(rank),
                 size=len(members), device=device, timeout=timeout)
     links = {}
-    if fanout == "relay":
-        for sender, receiver in placement.relay_links():
+    pairs = {"relay": placement.relay_links, "direct": placement.direct_links}.get(fanout)
+    if pairs is not None:
+        for sender, receiver in pairs():
             group = _standalone_group(dist.PrefixStore(f"refit-link/{sender}-{receiver}/", store),
                                       rank=0 if rank == sender else 1, size=2, device=device,
                                       timeout=timeout) if rank in (sender, receiver) else None

@@ -40,6 +40,12 @@ from mcore_refit.non_colocated import init_non_colocated_job
 __all__ = ["RefitBenchJob", "run_bench"]
 
 
+def job_fanout(fanouts: list[str]) -> str:
+    """The fan-out whose links a job must build to run every one of ``fanouts`` (the relay's
+    links include the direct fan-out's)."""
+    return next((name for name in ("relay", "direct") if name in fanouts), "broadcast")
+
+
 def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int,
               job_id: str) -> int:
     """Run ``job`` on this rank of a torchrun launch; the process exit code.
@@ -59,8 +65,7 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
             num_inference_ranks=layout.num_inference_ranks,
             store_host=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             timeout_s=timeout_s,
-            fanout="relay" if "relay" in (job.bench.fanouts or [job.refit.transport.fanout])
-            else "broadcast")
+            fanout=job_fanout(job.bench.fanouts or [job.refit.transport.fanout]))
         context = launch.context
     else:
         launch = None

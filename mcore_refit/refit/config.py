@@ -27,7 +27,7 @@ from mcore_refit.config import ConfigError
 DEFAULT_SLOT_BYTES = 1 << 30
 RefitMode = Literal["colocated", "non_colocated"]
 IpcSharing = Literal["buffers", "weights"]
-Fanout = Literal["broadcast", "relay"]
+Fanout = Literal["broadcast", "relay", "direct"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +95,9 @@ class TransportOptions:
     ipc_sharing: IpcSharing = "buffers"
     # Non-colocated: how a buffer reaches the inference ranks on other devices. broadcast = one
     # collective over the source and all of them; relay = to one of them (in turn), which
-    # forwards it to the others, each over its own two-rank link
-    # (mcore_refit/refit/transports/non_colocated/fanout.py).
+    # forwards it to the others, each over its own two-rank link; direct = from the source to
+    # each of them at once, each over its own two-rank link (for at least as many sources as
+    # inference ranks; mcore_refit/refit/transports/non_colocated/fanout.py).
     fanout: Fanout = "broadcast"
     # Record peak device memory per refit (resets the device's peak-memory counter each refit).
     track_peak_memory: bool = True

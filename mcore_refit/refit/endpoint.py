@@ -93,7 +93,7 @@ class NonColocatedInitInfo(_InitInfo):
     control: ControlGroup
     # Source trainer rank -> its data group, for the sources that broadcast to this rank.
     data_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
-    # refit.transport.fanout=relay: this rank's two-rank links by (from, to) job rank.
+    # refit.transport.fanout=relay or direct: this rank's two-rank links by (from, to) job rank.
     links: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

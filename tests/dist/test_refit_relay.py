@@ -1,7 +1,9 @@
-"""The non-colocated transport with ``refit.transport.fanout=relay`` on CPU (gloo, 3-4 real
-processes): each buffer goes from its source to one inference rank, which forwards it to the
-others. Bitwise into 2 and 3 engines from one source and from two (PP2-like) sources; a failure
-in the middle of a relay reaches every rank as a RefitError naming the failing rank, in seconds.
+"""The non-colocated transport over two-rank links on CPU (gloo, 3-4 real processes):
+``refit.transport.fanout=relay`` (each buffer from its source to one inference rank, which
+forwards it to the others) and ``direct`` (from its source to every inference rank at once,
+nothing forwarded). Bitwise into 2 and 3 engines from one source and from two (PP2-like)
+sources; a failure in the middle of a refit reaches every rank as a RefitError naming the failing
+rank, in seconds.
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ from tests.ranks import run_ranks
 from tests.tensors import bits
 
 
-class _RelayJob(_Job):
-    """A hand-built non-colocated job with the relay's links: a two-rank group per direction."""
+class _LinkJob(_Job):
+    """A hand-built non-colocated job with the links of ``fanout`` (relay or direct): a two-rank
+    group per direction. A direct job keeps no data groups and no links between engines, so
+    the refit can only use the links from the sources."""
 
-    def __init__(self, rank: int, *, trainers: int, receivers: int) -> None:
+    def __init__(self, rank: int, *, fanout: str, trainers: int, receivers: int) -> None:
         super().__init__(rank, trainers=trainers, receivers=receivers)
+        if fanout == "direct":
+            self.data_groups = {}
+        pairs = {"relay": self.placement.relay_links, "direct": self.placement.direct_links}
         self.links = {}
-        for link in self.placement.relay_links():
+        for link in pairs[fanout]():
             group = dist.new_group(list(link))  # every rank creates every group, in one order
             if rank in link:
                 self.links[link] = group
@@ -58,31 +65,28 @@ class _RelayJob(_Job):
         return endpoint
 
 
-def _relay_options(**overrides):
-    return _options(fanout="relay", **overrides)
-
-
 # --- scenarios (run inside fresh ranks) -------------------------------------------------------
 
 
-def relay_round_trip(rank: int, trainers: int, receivers: int) -> dict:
-    """``trainers`` sources (tensor i on rank i % trainers) relay the tiny mixed set to
-    ``receivers`` engines twice (every value changed in between); receivers check bitwise."""
-    job = _RelayJob(rank, trainers=trainers, receivers=receivers)
-    report, plan = sharded_round_trip(job, _relay_options(), seed=5, noncontiguous=True)
+def link_round_trip(rank: int, fanout: str, trainers: int, receivers: int) -> dict:
+    """``trainers`` sources (tensor i on rank i % trainers) send the tiny mixed set to
+    ``receivers`` engines twice over ``fanout``'s links (every value changed in between);
+    receivers check bitwise."""
+    job = _LinkJob(rank, fanout=fanout, trainers=trainers, receivers=receivers)
+    report, plan = sharded_round_trip(job, _options(fanout=fanout), seed=5, noncontiguous=True)
     if plan is not None:
         report.update(entries=entries(plan, job.placement),
                       sources=[b.source for b in plan.buffers])
     return report
 
 
-def relay_fails(rank: int) -> dict:
-    """One source, three engines: inference rank 1, the entry of some buffers, fails loading
-    its second buffer while the refit goes on; every rank raises naming it. The next refit is
-    whole again."""
-    job = _RelayJob(rank, trainers=1, receivers=3)
+def link_fails(rank: int, fanout: str) -> dict:
+    """One source, three engines over ``fanout``'s links: inference rank 1 (with the relay, the
+    entry of some buffers) fails loading its second buffer while the refit goes on; every rank
+    raises naming it. The next refit is whole again."""
+    job = _LinkJob(rank, fanout=fanout, trainers=1, receivers=3)
     specs = tiny_mixed_specs()
-    options = _relay_options(timeout_s=20.0)
+    options = _options(fanout=fanout, timeout_s=20.0)
     source = SyntheticWeightSource(specs, device=CPU, seed=8)
     out = {}
     if job.is_trainer:
@@ -116,21 +120,27 @@ def relay_fails(rank: int) -> dict:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("trainers", "receivers"), [(1, 2), (1, 3), (2, 2)],
-                         ids=["1_to_2", "1_to_3", "2_sources_to_2"])
-def test_relay_delivers_every_buffer_bitwise_to_every_engine(tmp_path, trainers, receivers):
-    results = run_ranks(relay_round_trip, trainers + receivers, tmp_path, trainers, receivers,
-                        timeout_s=130)
+@pytest.mark.parametrize(("fanout", "trainers", "receivers"),
+                         [("relay", 1, 2), ("relay", 1, 3), ("relay", 2, 2),
+                          ("direct", 1, 3), ("direct", 2, 2)],
+                         ids=["relay-1_to_2", "relay-1_to_3", "relay-2_sources_to_2",
+                              "direct-1_to_3", "direct-2_sources_to_2"])
+def test_every_buffer_reaches_every_engine_bitwise(tmp_path, fanout, trainers, receivers):
+    results = run_ranks(link_round_trip, trainers + receivers, tmp_path, fanout, trainers,
+                        receivers, timeout_s=130)
     for rank in range(trainers):
         report = results[rank]
         assert "uncaught" not in report, report
         assert [t["refit_index"] for t in report["telemetry"]] == [0, 1]
         assert report["telemetry"][0]["verified"] is True
-    # Every engine is the entry of some buffers of every source, so each forwards to the others.
-    report = results[0]
-    for source in range(trainers):
-        own = [e for e, s in zip(report["entries"], report["sources"], strict=True) if s == source]
-        assert set(own) == set(range(receivers)), (source, own)
+    if fanout == "relay":
+        # Every engine is the entry of some buffers of every source, so each forwards to the
+        # others.
+        report = results[0]
+        for source in range(trainers):
+            own = [e for e, s in zip(report["entries"], report["sources"], strict=True)
+                   if s == source]
+            assert set(own) == set(range(receivers)), (source, own)
     for rank in range(trainers, trainers + receivers):
         checks = results[rank]["checks"]
         assert [c["bitwise"] for c in checks] == [True, True], (rank, results[rank])
@@ -139,9 +149,11 @@ def test_relay_delivers_every_buffer_bitwise_to_every_engine(tmp_path, trainers,
 
 
 @pytest.mark.timeout(180)
-def test_a_failure_mid_relay_is_named_on_every_rank(tmp_path):
-    results = run_ranks(relay_fails, 4, tmp_path, timeout_s=160)
-    assert 1 in results[0]["entries"]  # the failing engine relays buffers to the others
+@pytest.mark.parametrize("fanout", ["relay", "direct"])
+def test_a_failure_mid_refit_is_named_on_every_rank(tmp_path, fanout):
+    results = run_ranks(link_fails, 4, tmp_path, fanout, timeout_s=160)
+    if fanout == "relay":
+        assert 1 in results[0]["entries"]  # the failing engine relays buffers to the others
     for rank in range(4):
         side = results[rank]
         assert "uncaught" not in side, side

@@ -5,7 +5,7 @@ import typing
 import pytest
 import torch
 
-from mcore_refit.bench import colocated, non_colocated
+from mcore_refit.bench import colocated, job_fanout, non_colocated
 from mcore_refit.bench.config import (
     COLOCATED_MODES,
     BenchConfig,
@@ -172,13 +172,22 @@ def test_a_colocated_refit_on_several_gpus_is_checked_against_its_floor():
 
 
 def test_fanouts_are_distinct_and_for_non_colocated_runs():
-    assert load_config(RefitBenchJob, None, ["bench.fanouts=[broadcast,relay]"]).bench.fanouts \
-        == ["broadcast", "relay"]
+    assert load_config(RefitBenchJob, None,
+                       ["bench.fanouts=[broadcast,relay,direct]"]).bench.fanouts \
+        == ["broadcast", "relay", "direct"]
     with pytest.raises(ConfigError, match=r"^bench.fanouts must be distinct entries of "
-                                          r"broadcast, relay, or null; got \['relay', 'relay'\]"):
+                                          r"broadcast, relay, direct, or null; "
+                                          r"got \['relay', 'relay'\]"):
         load_config(RefitBenchJob, None, ["bench.fanouts=[relay,relay]"])
     with pytest.raises(ConfigError, match="bench.fanouts compares how buffers reach"):
         load_config(RefitBenchJob, None, ["bench.fanouts=[relay]", "refit.mode=colocated"])
+
+
+def test_the_job_builds_the_links_of_every_fanout_it_runs():
+    assert job_fanout(["broadcast"]) == "broadcast"
+    assert job_fanout(["direct"]) == "direct"
+    assert job_fanout(["broadcast", "direct", "relay"]) == "relay"  # its links include direct's
+    assert job_fanout(["relay"]) == "relay"
 
 
 def test_summary_uses_the_colocated_targets_per_set_and_bounds_peak_memory():

@@ -33,6 +33,12 @@ def test_yaml_and_overrides(tmp_path):
                                     transport=TransportOptions(checksums=True, timeout_s=2.5))
 
 
+def test_every_fanout_loads():
+    for fanout in ("broadcast", "relay", "direct"):
+        job = load_config(Job, None, [f"refit.transport.fanout={fanout}"])
+        assert job.refit.transport.fanout == fanout
+
+
 def test_slot_size_semantics():
     cpu = torch.device("cpu")
     assert PlanConfig(slot_bytes=1000 * 256 + 17).resolve_slot_bytes(cpu) == 1000 * 256
@@ -70,6 +76,9 @@ def test_slot_size_semantics():
      "refit.transport.start_timeout_s must be a positive number of seconds, got -1.0"),
     ({"transport": {"checksums": "yes"}},
      "config key 'refit.transport.checksums' must be true or false, got 'yes'"),
+    ({"transport": {"fanout": "tree"}},
+     "config key 'refit.transport.fanout' must be one of 'broadcast', 'relay', 'direct', "
+     "got 'tree'"),
     ({"plan": {"slot_size": 10}},
      "unknown config key 'refit.plan.slot_size' (known keys: alignment_bytes, num_slots, "
      "slot_bytes, slot_fraction)"),

@@ -1,4 +1,5 @@
-"""The relay fan-out's routes (pure): which links a placement needs, each buffer's entry."""
+"""The routes of the fan-outs over links (pure): which links a placement needs for the relay
+and the direct fan-out, each relayed buffer's entry."""
 
 import torch
 
@@ -16,6 +17,18 @@ def test_relay_links_join_each_source_to_its_remote_engines_and_those_to_each_ot
     # Trainer rank 1 shares inference rank 0's device (IPC): it relays only to inference rank 1.
     shared = Placement(num_trainers=2, num_receivers=2, shared=frozenset({(1, 0)}))
     assert shared.relay_links() == [(0, 2), (0, 3), (2, 3), (3, 2), (1, 3)]
+
+
+def test_direct_links_join_each_source_to_its_remote_engines_only():
+    assert Placement(num_trainers=2, num_receivers=2).direct_links() == [(0, 2), (0, 3),
+                                                                           (1, 2), (1, 3)]
+    assert Placement(num_trainers=1, num_receivers=3).direct_links() == [(0, 1), (0, 2), (0, 3)]
+    # Trainer rank 1 shares inference rank 0's device (IPC): it needs a link to inference rank 1.
+    shared = Placement(num_trainers=2, num_receivers=2, shared=frozenset({(1, 0)}))
+    assert shared.direct_links() == [(0, 2), (0, 3), (1, 3)]
+    # A job built for the relay can run the direct fan-out.
+    for placement in (shared, Placement(num_trainers=3, num_receivers=2)):
+        assert set(placement.direct_links()) <= set(placement.relay_links())
 
 
 def test_each_sources_buffers_take_its_remote_engines_in_turn_from_its_own_offset():

@@ -13,6 +13,8 @@ NCCL's watchdog, must be at least ``refit.start_timeout_s`` or it aborts first.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,19 +27,20 @@ from mcore_refit.refit.streams import DeviceStreams
 
 @dataclass
 class PendingTransfer:
-    """An asynchronous broadcast: the gloo work (CPU) or a CUDA event after it (GPU)."""
+    """Asynchronous broadcasts: the gloo works (CPU) or a CUDA event after all of them (GPU)."""
 
-    work: dist.Work | None
+    works: list[dist.Work]
     done: torch.cuda.Event | None
     what: str
 
     def wait_host(self, streams: DeviceStreams, *, timeout_s: float) -> None:
-        """Block the host until the transfer completed (bounded)."""
+        """Block the host until the transfer completed (bounded: ``timeout_s`` for all of it)."""
         if self.done is not None:
             streams.host_wait(self.done, timeout_s=timeout_s, what=self.what)
-        elif self.work is not None:
-            _wait_work(self.work, timeout_s=timeout_s, what=self.what)
-        self.work = None
+        deadline = time.monotonic() + timeout_s
+        while self.works:
+            _wait_work(self.works[0], deadline=deadline, timeout_s=timeout_s, what=self.what)
+            self.works.pop(0)
 
     def wait_stream(self, streams: DeviceStreams, *, timeout_s: float) -> None:
         """Order the current stream after the transfer (GPU); block until done (CPU)."""
@@ -74,21 +77,13 @@ class GroupCollectives:
         far), and ``done`` is recorded on ``stream`` once NCCL finished (``work.wait()`` only
         orders the stream; the host never blocks here).
         """
+        return _issue([self._start_broadcast(tensor, src_rank)], streams=self.streams,
+                      what=what, stream=stream, done=done)
+
+    def _start_broadcast(self, tensor: torch.Tensor, src_rank: int):
         options = dist.BroadcastOptions()
         options.rootRank = src_rank
-        return self._issue(lambda: self.group.broadcast([tensor], options), what=what,
-                           stream=stream, done=done)
-
-    def _issue(self, start, *, what: str, stream: torch.cuda.Stream | None,
-               done: torch.cuda.Event | None) -> PendingTransfer:
-        if not self.streams.is_cuda:
-            return PendingTransfer(work=start(), done=None, what=what)
-        done = done if done is not None else self.streams.new_event()
-        with self.streams.use(stream):
-            work = start()
-            work.wait()
-            self.streams.record(done)
-        return PendingTransfer(work=None, done=done, what=what)
+        return lambda: self.group.broadcast([tensor], options)
 
     def broadcast(self, tensor: torch.Tensor, *, src_rank: int, what: str,
                   timeout_s: float) -> None:
@@ -96,10 +91,40 @@ class GroupCollectives:
             self.streams, timeout_s=timeout_s)
 
 
+def broadcast_to_each(links: Sequence[GroupCollectives], tensor: torch.Tensor, *, what: str,
+                      stream: torch.cuda.Stream | None = None,
+                      done: torch.cuda.Event | None = None) -> PendingTransfer:
+    """Start broadcasting ``tensor`` from this rank over each of ``links`` at once (groups of one
+    device's :class:`~mcore_refit.refit.streams.DeviceStreams`), as one transfer.
 
-def _wait_work(work: dist.Work, *, timeout_s: float, what: str) -> None:
+    GPU: every broadcast is issued from ``stream`` before ``stream`` waits for any of them, so
+    each runs on its own communicator's stream beside the others (issued one after the other
+    with :meth:`GroupCollectives.broadcast_async`, each would wait for the one before);
+    ``done`` is recorded on ``stream`` once all finished.
+    """
+    if not links:
+        raise ValueError(f"{what}: no link to broadcast over")
+    return _issue([link._start_broadcast(tensor, link.rank) for link in links],
+                  streams=links[0].streams, what=what, stream=stream, done=done)
+
+
+def _issue(starts, *, streams: DeviceStreams, what: str, stream: torch.cuda.Stream | None,
+           done: torch.cuda.Event | None) -> PendingTransfer:
+    if not streams.is_cuda:
+        return PendingTransfer(works=[start() for start in starts], done=None, what=what)
+    done = done if done is not None else streams.new_event()
+    with streams.use(stream):
+        works = [start() for start in starts]
+        for work in works:
+            work.wait()
+        streams.record(done)
+    return PendingTransfer(works=[], done=done, what=what)
+
+
+def _wait_work(work: dist.Work, *, deadline: float, timeout_s: float, what: str) -> None:
+    """Wait for ``work`` until ``deadline`` (``time.monotonic()``), set ``timeout_s`` ago."""
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
     except RuntimeError as error:
         text = str(error)
         if is_gloo_timeout(error):
@@ -107,5 +132,3 @@ def _wait_work(work: dist.Work, *, timeout_s: float, what: str) -> None:
                 f"timed out after {timeout_s:g} s waiting for {what}: {text}") from None
         raise RefitError(
             f"{what} failed (a peer died or closed the group?): {text}") from None
-
-

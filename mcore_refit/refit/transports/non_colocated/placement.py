@@ -1,7 +1,8 @@
 """Where a non-colocated job's ranks sit: which trainer and inference ranks share a device.
 
 A pair that shares a device moves its buffers over the IPC hand-over; every other pair over the
-source's broadcast group. Pure, the same on every rank.
+source's broadcast group, or over two-rank links (``refit.transport.fanout``). Pure, the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class Placement:
     def remote_receivers(self, source: int) -> list[int]:
         """The inference ranks ``source`` broadcasts to (group ranks 1.. of its data group)."""
         return [r for r in range(self.num_receivers) if not self.ipc(source, r)]
+
+    def direct_links(self) -> list[tuple[int, int]]:
+        """Every ``(from, to)`` pair of job ranks a direct refit moves buffers between (each
+        source to each of its remote inference ranks), in one order for every rank."""
+        return [(source, self.control_rank(receiver)) for source in range(self.num_trainers)
+                for receiver in self.remote_receivers(source)]
 
     def relay_links(self) -> list[tuple[int, int]]:
         """Every ``(from, to)`` pair of job ranks a relay refit moves buffers between (each

@@ -21,9 +21,9 @@ from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transports.base import RefitReceiver
 from mcore_refit.refit.transports.collectives import PendingTransfer
 from mcore_refit.refit.transports.non_colocated.fanout import (
-    BroadcastFanout,
+    AnyFanout,
     Link,
-    RelayFanout,
+    build_fanout,
     check_same_fanout,
 )
 from mcore_refit.refit.transports.non_colocated.handover import HandoverTarget
@@ -54,7 +54,7 @@ class NonColocatedReceiver(RefitReceiver):
         self._rounds = RefitRounds(control, name_of=placement.name_of)
         self._data_groups = data_groups
         self._links = links or {}
-        self._fanout: BroadcastFanout | RelayFanout | None = None
+        self._fanout: AnyFanout | None = None
         self._own_plan = plan
         self._plan: RefitPlan | None = plan
         self._pipe: StreamedSlots | None = None
@@ -78,12 +78,10 @@ class NonColocatedReceiver(RefitReceiver):
         plan = self._own_plan if self._own_plan is not None else sent
         self._plan = plan
         check_same_fanout(self._control, self._options, name_of=self._placement.name_of)
-        if self._options.fanout == "relay":
-            self._fanout = RelayFanout(plan=plan, placement=self._placement,
-                                       me=self._placement.control_rank(self._receiver),
-                                       links=self._links, streams=self._streams)
-        else:
-            self._fanout = BroadcastFanout(data_groups=self._data_groups, streams=self._streams)
+        self._fanout = build_fanout(self._options.fanout, plan=plan, placement=self._placement,
+                                    me=self._placement.control_rank(self._receiver),
+                                    data_groups=self._data_groups, links=self._links,
+                                    streams=self._streams)
         for source in plan.sources:
             if self._placement.ipc(source, self._receiver):
                 self._mapped[source] = self._handover.map(plan, source=source)

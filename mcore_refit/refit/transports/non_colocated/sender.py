@@ -21,9 +21,8 @@ from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transports.base import RefitSender
 from mcore_refit.refit.transports.collectives import PendingTransfer
 from mcore_refit.refit.transports.non_colocated.fanout import (
-    BroadcastFanout,
     Link,
-    RelayFanout,
+    build_fanout,
     check_same_fanout,
 )
 from mcore_refit.refit.transports.non_colocated.handover import HandedBuffer, HandoverSource
@@ -55,14 +54,13 @@ class NonColocatedSender(RefitSender):
         self._rounds = RefitRounds(control, name_of=placement.name_of)
         self._remote = placement.remote_receivers(rank) if rank in plan.sources else []
         self._fanout = None
-        if self._remote and options.fanout == "relay":
-            self._fanout = RelayFanout(plan=plan, placement=placement, me=rank,
-                                       links=links or {}, streams=self._streams)
-        elif self._remote:
-            if data_group is None:
+        if self._remote:
+            if options.fanout == "broadcast" and data_group is None:
                 raise ValueError(f"trainer rank {rank} sends to inference ranks {self._remote} "
                                  "but has no data group")
-            self._fanout = BroadcastFanout(data_groups={rank: data_group}, streams=self._streams)
+            self._fanout = build_fanout(options.fanout, plan=plan, placement=placement, me=rank,
+                                        data_groups={rank: data_group}, links=links or {},
+                                        streams=self._streams)
         ipc = placement.ipc_receivers(rank) if rank in plan.sources else []
         self._handover = (HandoverSource(control=control, placement=placement, rank=rank,
                                          receivers=ipc, options=options,
