@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Needs 4 GPUs of one host with NVLink (nvidia-h200-x4): the refit table of issue 25 in one call.
-#   non-colocated, every refit mode with both fan-outs (refit.transport.fanout broadcast|relay):
+#   non-colocated, every refit mode with each fan-out (refit.transport.fanout
+#   broadcast|relay|direct):
 #     one_to_one      Llama-3-8B preset (bf16, random weights) TP1, 1 trainer -> 1 engine
 #     pp2_vpp2_2to2   PP2 x VPP2, 2 trainer ranks -> 2 engines
 #     tp2_2to2        TP2, 2 -> 2
@@ -29,7 +30,7 @@ CONFIG=${CONFIG:-configs/refit_bench.yaml}
 DENSE=${DENSE:-llama3_8b}; MOE=${MOE:-qwen3_30b_a3b}; MOE_LAYERS=${MOE_LAYERS:-24}
 REPS='bench.num_warmup=1 bench.num_refits=2 bench.verify=true'
 MODES='bench.modes=[raw_link,engine,transport_alone]'
-FANOUTS='bench.fanouts=[broadcast,relay]'
+FANOUTS='bench.fanouts=[broadcast,relay,direct]'
 COLOCATED_MODES='bench.modes=[raw_link,engine]'  # after $MODES on the command line: it wins
 
 run() {  # run NAME LIMIT NPROC PORT [overrides...]: recipes/refit_bench.py into $D/NAME.jsonl
@@ -65,11 +66,11 @@ fi
     'bench.modes=[raw_link,shared_weights]' ) &
 ( export CUDA_VISIBLE_DEVICES=0,1; dense one_to_one 90 2 29862 )
 wait
-dense pp2_vpp2_2to2 90 4 29863 "$FANOUTS" bench.num_trainer_ranks=2 \
+dense pp2_vpp2_2to2 120 4 29863 "$FANOUTS" bench.num_trainer_ranks=2 \
   megatron.parallel.pipeline=2 megatron.parallel.virtual_pipeline=2
-dense tp2_2to2 90 4 29864 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.tensor=2
-dense one_to_three 90 4 29865 "$FANOUTS"
-moe moe_ep2_2to2 130 4 29868 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.expert=2
+dense tp2_2to2 120 4 29864 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.tensor=2
+dense one_to_three 120 4 29865 "$FANOUTS"
+moe moe_ep2_2to2 170 4 29868 "$FANOUTS" bench.num_trainer_ranks=2 megatron.parallel.expert=2
 # Colocated rows: the refit against the floor (no transport_alone: its copy only costs time).
 dense colocated_tp2_pp2_vpp2 80 4 29866 refit.mode=colocated bench.num_trainer_ranks=4 \
   megatron.parallel.tensor=2 megatron.parallel.pipeline=2 megatron.parallel.virtual_pipeline=2 \

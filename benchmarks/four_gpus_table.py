@@ -4,10 +4,10 @@
 
 DIR holds one ``<run>.jsonl`` per run (the bench's lines, the summary last). Rows:
 
-- non-colocated runs, one row per fan-out (``engine/broadcast``, ``engine/relay``): the refit,
-  the transport alone, GB/s per receiver (every engine receives the whole model), the run's own
-  1 GB raw link, and the refit over the 1 → 1 refit's time for the same bytes (at its rate:
-  the MoE rows have no 1 → 1 run of their own), target ≤ 1.1;
+- non-colocated runs, one row per fan-out (``engine/broadcast``, ``engine/relay``,
+  ``engine/direct``): the refit, the transport alone, GB/s per receiver (every engine receives
+  the whole model), the run's own 1 GB raw link, and the refit over the 1 → 1 refit's time for
+  the same bytes (at its rate: the MoE rows have no 1 → 1 run of their own), target ≤ 1.1;
 - colocated runs on 4 GPUs: the refit over its floor (each GPU's ingress of the other ranks'
   bytes plus its own share at device-copy speed, both measured in the run), target ≤ 1.15;
 - ``shared_weights`` on one GPU: its GB/s over the device copy's, target ≥ 0.70.
