@@ -28,11 +28,11 @@ each other.
 Links are named by control ranks (trainer ranks, then inference ranks): ``(from, to)``.
 
 Every rank posts its operations in plan order, so the two ends of every link meet in the same
-order. A source's send over several links (``direct``) issues all of them before its stream
-waits for any, so they run at once, one communicator each, and it refills the slot only once
-every one of them completed. On a GPU the entry's forwards are queued on the slot's stream right
-behind the receive (no host round trip); on the CPU (gloo) a forward may only start once the
-receive completed.
+order. A send over several links (``direct``'s from a source, a relay entry's forwards) issues
+all of them before its stream waits for any, so they run at once, one communicator each, and
+the slot is refilled only once every one of them completed. On a GPU the entry's forwards are
+queued on the slot's stream right behind the receive (no host round trip); on the CPU (gloo) a
+forward may only start once the receive completed.
 """
 
 from __future__ import annotations
@@ -158,15 +158,12 @@ class RelayFanout(_LinkFanout):
                 what: str) -> list[PendingTransfer]:
         """From the entry to the source's other remote receivers (nothing elsewhere). On a GPU
         queue it right behind the receive on ``stream``; on the CPU, once the receive is done."""
-        if self.entry(buffer) != self._me:
+        targets = self.targets(buffer) if self.entry(buffer) == self._me else []
+        if not targets:
             return []
-        forwards = []
-        for other in self.targets(buffer):
-            link = self._links[(self._me, other)]
-            forwards.append(link.broadcast_async(
-                view, src_rank=link.rank, stream=stream,
-                what=f"{what}, forwarded to {self._placement.name_of(other)}"))
-        return forwards
+        names = ", ".join(self._placement.name_of(other) for other in targets)
+        return [self._send_to(targets, view, stream=stream, done=None,
+                              what=f"{what}, forwarded to {names}")]
 
     def targets(self, buffer: PlannedBuffer) -> Sequence[int]:
         """The control ranks ``buffer``'s entry forwards it to."""
