@@ -111,9 +111,10 @@ class VllmBenchEngine:
                                    "loads the tensors the last refit brought)")
             times = []
             for _ in range(repetitions):
-                # As in a refit, the reload is set up before the clock starts (a refit's engine
-                # does it in start_weight_update, before the trainer's refit begins).
+                # The reload's set-up is left out of the floor (a refit's engine starts it in
+                # start_weight_update, and it overlaps the transport's start there).
                 loader.begin(timeout_s=self.options.timeout_s)
+                loader.wait_until_set_up()
                 _synchronize(worker.device)
                 started = time.perf_counter()
                 loader.load_from_memory(weights)

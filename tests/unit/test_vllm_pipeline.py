@@ -82,3 +82,36 @@ def test_vllm_pipeline_drain_is_bounded_and_names_what_is_still_running():
         release.set()
         pipeline.close()
     assert not pipeline.busy
+
+
+def test_vllm_pipeline_runs_other_steps_in_order_with_the_loads_and_names_their_failure():
+    """A refit's set-up of vLLM's reload runs on the loading thread before its loads; if it
+    fails, the loads queued behind it are skipped and the failure names the step."""
+    release = threading.Event()
+    done = []
+
+    def set_up(fail: bool):
+        release.wait(10)
+        if fail:
+            raise KeyError("layer 3")
+        done.append(("set up", threading.get_ident()))
+
+    pipeline = LoadPipeline(lambda weights: done.append(weights[0][0]), device=CPU)
+    try:
+        pipeline.run(lambda: set_up(False), what="setting up the reload")
+        pipeline.submit([("a", torch.ones(1))])
+        assert done == [] and pipeline.busy  # run() returned before the step ran
+        release.set()
+        pipeline.drain(timeout_s=10)
+        assert done[0][0] == "set up" and done[0][1] != threading.get_ident()
+        assert done[1:] == ["a"]
+        release.clear()  # 'b' is queued before the set-up fails
+        pipeline.run(lambda: set_up(True), what="setting up the reload")
+        pipeline.submit([("b", torch.ones(1))])
+        release.set()
+        with pytest.raises(RuntimeError, match=r"vLLM's loader failed setting up the reload "
+                                               r"\(KeyError: 'layer 3'\)"):
+            pipeline.drain(timeout_s=10)
+        assert done[1:] == ["a"]  # 'b' came after the failed set-up: skipped
+    finally:
+        pipeline.close()

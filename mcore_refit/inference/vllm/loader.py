@@ -53,8 +53,9 @@ class VllmModelLoader:
         self._reloading = False
         self._timeout_s = 0.0
         self._pipeline = LoadPipeline(model.load_weights, device=self._device)
-        # This refit's seconds inside vLLM's loader (its layer processing and finalisation
-        # included), and those the last buffer waited for loads still running when it arrived.
+        # This refit's seconds inside vLLM's loader (the reload's set-up, its layer processing
+        # and finalisation included), and those the last buffer waited for loads still running
+        # when it arrived.
         self.vllm_load_s = 0.0
         self.vllm_wait_s = 0.0
 
@@ -64,7 +65,11 @@ class VllmModelLoader:
 
     def begin(self, *, timeout_s: float) -> None:
         """Start a refit: vLLM's layerwise reload takes over the model's weight loaders.
-        ``timeout_s`` bounds the wait, after the last buffer, for vLLM's loads still running."""
+        ``timeout_s`` bounds the wait, after the last buffer, for vLLM's loads still running.
+
+        The reload is set up on the loading thread, ahead of the refit's loads: this returns at
+        once, and the set-up overlaps the transport's start and first buffer (a failure is
+        raised like a load's). :meth:`wait_until_set_up` waits for it."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self._reloading:
@@ -72,13 +77,20 @@ class VllmModelLoader:
         if self._pipeline.busy:
             raise RuntimeError("vLLM's loader is still running the loads of a refit that timed "
                                "out; the model cannot take another refit")
-        initialize_layerwise_reload(self._model)
         self._reloading = True
         self._timeout_s = timeout_s
         self._pipeline.reset_timing()
         self.vllm_load_s = self.vllm_wait_s = 0.0
         if self._staging is not None:
             self._staging.begin()
+        model = self._model
+        self._pipeline.run(lambda: initialize_layerwise_reload(model),
+                           what="setting up vLLM's layerwise reload")
+
+    def wait_until_set_up(self) -> None:
+        """Wait (at most ``timeout_s`` of :meth:`begin`) until :meth:`begin`'s set-up of the
+        reload has run; raises its failure."""
+        self._pipeline.drain(timeout_s=self._timeout_s)
 
     def end(self) -> None:
         """Wait for vLLM's loads of this refit, then finish the layerwise reload (layers not
@@ -95,7 +107,7 @@ class VllmModelLoader:
         """Load ``weights`` (whole HF tensors already in memory, e.g. :meth:`staged_weights`)
         in one call and finish the reload, on the thread a refit's loads run on: vLLM's own
         load of a refit's tensors, without the transport (the benchmark's floor). Call
-        :meth:`begin` first."""
+        :meth:`begin` first (and :meth:`wait_until_set_up` to leave the set-up out)."""
         if not self._reloading:
             raise RuntimeError("call begin() before load_from_memory()")
         self._pipeline.submit(weights)

@@ -29,10 +29,11 @@ Weights = Sequence[tuple[str, torch.Tensor]]
 
 
 class LoadPipeline:
-    """Runs ``load(weights)`` for every :meth:`submit` on one background thread, in order.
+    """Runs ``load(weights)`` for every :meth:`submit` (and any other step given to
+    :meth:`run`) on one background thread, in order.
 
-    A load that raises stops the pipeline: later submissions are skipped and the failure is
-    raised, naming the tensors, by the next :meth:`submit` and by :meth:`drain`. ``device``:
+    A step that raises stops the pipeline: later steps are skipped and the failure is raised,
+    naming the tensors (or the step), by the next :meth:`submit` and by :meth:`drain`. ``device``:
     where the loads run (the thread takes it as its current CUDA device). The thread starts at
     the first :meth:`submit`; :meth:`close` stops it (a later submit starts another).
     """
@@ -47,8 +48,8 @@ class LoadPipeline:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
         self._failure: BaseException | None = None
-        self._failed_on: tuple[str, str] | None = None
-        # Seconds spent inside ``load`` since the last reset_timing().
+        self._failed_on: str | None = None  # what the failed step was doing
+        # Seconds spent in the steps (loads and others) since the last reset_timing().
         self.load_s = 0.0
 
     @property
@@ -63,15 +64,14 @@ class LoadPipeline:
         """Queue ``load(weights)`` after every earlier submission; raises the failure of an
         earlier load instead, if one failed. The caller's device work so far (the copies that
         filled ``weights``) is done before the load reads them."""
-        self._raise_failure()
-        staged = None
-        if self._cuda:
-            staged = torch.cuda.Event()
-            staged.record(torch.cuda.current_stream(self._device))
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-load",
-                                                initializer=self._init_thread)
-        self._pending.append(self._executor.submit(self._run, list(weights), staged))
+        weights = list(weights)
+        first, last = (weights[0][0], weights[-1][0]) if weights else ("", "")
+        self._queue(lambda: self._load(weights), what=f"on the tensors {first!r} .. {last!r}")
+
+    def run(self, step: Callable[[], None], *, what: str) -> None:
+        """Queue ``step()`` after every earlier submission, like a load (``what`` names it in a
+        failure: "vLLM's loader failed <what>")."""
+        self._queue(step, what=what)
 
     def drain(self, *, timeout_s: float) -> None:
         """Wait until every submitted load returned (``timeout_s`` in all: a
@@ -105,7 +105,18 @@ class LoadPipeline:
         if self._cuda:
             torch.cuda.set_device(self._device)
 
-    def _run(self, weights: list[tuple[str, torch.Tensor]],
+    def _queue(self, step: Callable[[], None], *, what: str) -> None:
+        self._raise_failure()
+        staged = None
+        if self._cuda:
+            staged = torch.cuda.Event()
+            staged.record(torch.cuda.current_stream(self._device))
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-load",
+                                                initializer=self._init_thread)
+        self._pending.append(self._executor.submit(self._run, step, what, staged))
+
+    def _run(self, step: Callable[[], None], what: str,
              staged: torch.cuda.Event | None) -> torch.cuda.Event | None:
         if self._failure is not None:
             return None
@@ -114,15 +125,14 @@ class LoadPipeline:
             if staged is not None:
                 torch.cuda.current_stream(self._device).wait_event(staged)
             with torch.no_grad():
-                self._load(weights)
+                step()
             if not self._cuda:
                 return None
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self._device))
             return done
         except BaseException as error:
-            self._failure = error
-            self._failed_on = (weights[0][0], weights[-1][0]) if weights else ("", "")
+            self._failure, self._failed_on = error, what
             return None
         finally:
             self.load_s += time.perf_counter() - started
@@ -130,7 +140,7 @@ class LoadPipeline:
     def _raise_failure(self) -> None:
         if self._failure is None:
             return
-        error, (first, last) = self._failure, self._failed_on
+        error, what = self._failure, self._failed_on
         self._failure, self._failed_on = None, None
-        raise RuntimeError(f"vLLM's loader failed on the tensors {first!r} .. {last!r} "
-                           f"({type(error).__name__}: {error})") from error
+        raise RuntimeError(f"vLLM's loader failed {what} ({type(error).__name__}: {error})"
+                           ) from error
