@@ -10,10 +10,11 @@ loop returns to the wire (and frees the slot) as soon as a buffer is staged; the
 about the larger of the two. vLLM's kernels release the GIL; its Python between them does not,
 which bounds the overlap on a busy host.
 
-On CUDA the loads are ordered after the staging copies by events (the thread's current stream
-waits for the caller's), and :meth:`LoadPipeline.drain` makes the caller's stream wait for the
-loads' work in turn, so whatever the caller does next (vLLM's finalisation, the next refit's
-staging copies into the same memory) comes after it on the device too.
+On CUDA the loads run on a stream of the thread's own, so the receiving thread's copies and
+waits never queue behind them. Events order the two: the loads' stream waits for the staging
+copies, and :meth:`LoadPipeline.drain` makes the caller's stream wait for the loads' work in
+turn, so whatever the caller does next (vLLM's finalisation, the next refit's staging copies
+into the same memory) comes after it on the device too.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LoadPipeline:
         self._device = device
         self._load = load
         self._executor: ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None  # the loads' stream (CUDA)
         self._pending: list[Future] = []
         self._failure: BaseException | None = None
         self._failed_on: str | None = None  # what the failed step was doing
@@ -104,6 +106,13 @@ class LoadPipeline:
     def _init_thread(self) -> None:
         if self._cuda:
             torch.cuda.set_device(self._device)
+            # The loads get a stream of their own (the current stream is per thread). On the
+            # device's default stream, which the receiving thread's copies and waits also use,
+            # each buffer's hand-over would wait on the device for the loads queued before it:
+            # measured on 2x H200, 16 loads took 123 ms in all against 80 ms for vLLM's load of
+            # the same tensors in one call, and the refit 172 ms. Events order the two streams.
+            self._stream = torch.cuda.Stream(self._device)
+            torch.cuda.set_stream(self._stream)
 
     def _queue(self, step: Callable[[], None], *, what: str) -> None:
         self._raise_failure()
