@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mcore_refit.logs import lock_progress_bars_within_the_process
-from tests.launch import free_port, launch_env, launch_failure, run_torchrun
+from tests.launch import REPO_ROOT, free_port, launch_env, launch_failure, run_torchrun
 
 # Imported once by the fork server; each process forked from it starts with them loaded
 # (tests.preload: torch, the library, Megatron-Core and the bridges of the tests' models).
@@ -101,20 +101,23 @@ def run_ranks(scenario, world: int, tmp_path: Path, *args, timeout_s: float = 60
     return results
 
 
-def run_script(script: str | Path, *args: str, nproc: int,
-               timeout_s: float) -> subprocess.CompletedProcess:
+def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
+               cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
     """Run ``script`` as ``torchrun --nproc-per-node nproc`` would, each rank forked from the fork
     server instead of a fresh interpreter (start-up without the seconds of imports): torchrun's
     variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) with the key-value
-    store on ``MASTER_PORT`` hosted here as torchrun's agent hosts it, ``sys.argv`` and the
-    script's folder first on ``sys.path``; as under torchrun, the first rank to fail stops the
-    others. Raises with every rank's output on a failure or after ``timeout_s``.
+    store on ``MASTER_PORT`` hosted here as torchrun's agent hosts it, ``sys.argv``, the
+    script's folder first on ``sys.path``, ``cwd`` as the working directory, and the exit code
+    the script leaves with; as under torchrun, the first rank to fail stops the others. Raises
+    with every rank's output on a failure or after ``timeout_s``.
 
-    For scenario scripts, whose point is not the launcher (recipes run under torchrun itself);
-    with CUDA, where the fork server must not hold a CUDA context for its children, it is
-    torchrun too."""
+    For scenario scripts, and for recipes where what the test claims is not about the launcher
+    (a run's learning, parity, resume, a benchmark's figures): a test of torchrun's behaviour,
+    of signals or of what the terminal shows launches with :func:`tests.launch.run_torchrun`.
+    A rank's launcher is the fork server here, which outlives the run. With CUDA, where the fork
+    server must not hold a CUDA context for its children, it is torchrun too."""
     if torch.cuda.is_available():
-        return run_torchrun(script, *args, nproc=nproc, timeout_s=timeout_s)
+        return run_torchrun(script, *args, nproc=nproc, timeout_s=timeout_s, cwd=cwd)
     context = process_context()
     port = free_port()
     command = [f"<fork server> {script}", *args, f"({nproc} ranks)"]
@@ -129,7 +132,8 @@ def run_script(script: str | Path, *args: str, nproc: int,
                    "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "TORCHELASTIC_USE_AGENT_STORE": "True"}
-            process = context.Process(target=_script_rank, args=(str(script), args, env, logs))
+            process = context.Process(target=_script_rank,
+                                      args=(str(script), args, env, str(cwd), logs))
             process.start()
             processes.append(process)
         deadline = time.monotonic() + timeout_s
@@ -159,10 +163,11 @@ def run_script(script: str | Path, *args: str, nproc: int,
     return subprocess.CompletedProcess(command, 0, stdout, stderr)
 
 
-def _script_rank(script: str, args: tuple, env: dict[str, str], logs: str) -> None:
+def _script_rank(script: str, args: tuple, env: dict[str, str], cwd: str, logs: str) -> None:
     """One rank of :func:`run_script`: the script as ``__main__``, its output in ``logs``."""
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     rank = env["RANK"]
     for fd, name in ((1, f"{rank}.out"), (2, f"{rank}.err")):
         os.dup2(os.open(Path(logs, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
