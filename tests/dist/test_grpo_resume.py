@@ -21,8 +21,8 @@ from tests.launch import (
     free_port,
     last_json_line,
     launched_processes,
-    run_torchrun,
 )
+from tests.ranks import run_script
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 KILL_IN_SAVE = REPO_ROOT / "tests" / "dist" / "scenarios" / "grpo_kill_in_save.py"
@@ -119,15 +119,16 @@ def kill_in_save(mode, checkpoint, out, *, kill_at):
 @pytest.fixture(scope="module")
 def straight_runs(checkpoint, tmp_path_factory):
     """``straight(mode)``: the output folder of an uninterrupted run for ``mode``, launched once
-    per reference mode (see ``REFERENCE``)."""
+    per reference mode (see ``REFERENCE``). It and the resumed runs go on forked ranks
+    (tests.ranks); the kill, whose claim is the launch's exit, under torchrun."""
     done = {}
 
     def straight(mode):
         reference = REFERENCE.get(mode, mode)
         if reference not in done:
             out = tmp_path_factory.mktemp(f"straight_{reference}") / "run"
-            run_torchrun(RECIPE, *recipe_args(reference, checkpoint, out),
-                         nproc=CONFIGS[reference][1], timeout_s=540)
+            run_script(RECIPE, *recipe_args(reference, checkpoint, out),
+                       nproc=CONFIGS[reference][1], timeout_s=540)
             done[reference] = out
         return done[reference]
 
@@ -154,8 +155,8 @@ def test_resume_after_a_kill_in_a_checkpoint_save_is_bit_identical(mode, checkpo
     assert (state["step"], state["checkpoint"]) == (2, "checkpoints/step_000002")
     assert [row["step"] for row in rows(broken)] == [1, 2, 3, 4]
 
-    resumed = run_torchrun(RECIPE, *recipe_args(mode, checkpoint, broken), "--resume",
-                           nproc=nproc, timeout_s=540)
+    resumed = run_script(RECIPE, *recipe_args(mode, checkpoint, broken), "--resume",
+                         nproc=nproc, timeout_s=540)
     summary = last_json_line(resumed.stdout)
     assert (summary["steps"], summary["resumed_from_step"]) == (2, 2)
     assert not (broken / "checkpoints" / "step_000004.partial").exists()
