@@ -9,6 +9,7 @@ import pytest
 
 from mcore_refit.tiny import VLLM_SIZES, TinyModelSpec, write_tiny_checkpoint
 from tests.launch import REPO_ROOT, last_json_line, run_torchrun
+from tests.ranks import run_script
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
@@ -32,12 +33,16 @@ def mean(values):
     return sum(values) / len(values)
 
 
-def run_grpo(config, model, out, *overrides, nproc, timeout_s=840, expect_failure=False):
-    """The recipe with ``inference.engine=vllm`` on ``model``, writing to ``out``."""
-    return run_torchrun(RECIPE, "--config", str(config), "inference.engine=vllm",
-                        f"model.hf_path={model}", f"run.output_dir={out}", *overrides,
-                        nproc=nproc, timeout_s=timeout_s, standalone=True,
-                        expect_failure=expect_failure)
+def grpo_args(config, model, out, *overrides):
+    """The recipe's arguments with ``inference.engine=vllm`` on ``model``, writing to ``out``."""
+    return ("--config", str(config), "inference.engine=vllm", f"model.hf_path={model}",
+            f"run.output_dir={out}", *overrides)
+
+
+def run_grpo(config, model, out, *overrides, nproc, timeout_s=840):
+    """The recipe on forked ranks (tests.ranks): a run's learning and parity are the claim."""
+    return run_script(RECIPE, *grpo_args(config, model, out, *overrides), nproc=nproc,
+                      timeout_s=timeout_s)
 
 
 @pytest.mark.timeout(900)
@@ -71,8 +76,10 @@ def test_a_vllm_engine_that_fails_to_start_on_an_inference_rank_is_named_on_ever
         tmp_path):
     # Head size 16: vLLM's CPU attention refuses it at the start-up forward.
     narrow = write_tiny_checkpoint(tmp_path / "narrow", TinyModelSpec(num_layers=4))
-    result = run_grpo(NON_COLOCATED, narrow, tmp_path / "run", "run.steps=2", nproc=3,
-                      timeout_s=540, expect_failure=True)
+    # Under torchrun: the failure reaching every trainer rank as the launcher stops them.
+    result = run_torchrun(RECIPE, *grpo_args(NON_COLOCATED, narrow, tmp_path / "run",
+                                             "run.steps=2"),
+                          nproc=3, timeout_s=540, standalone=True, expect_failure=True)
     named = ("RankFailure: start of the inference engines failed on trainer rank 0: RuntimeError: "
              "inference rank 0 failed the engine's start: VllmStartError: vLLM's start-up forward "
              f"failed on model.hf_path='{narrow}' (LlamaForCausalLM, 4 layers, hidden size 64, 4 "
