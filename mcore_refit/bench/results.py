@@ -59,7 +59,7 @@ class ModeResult:
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["refit_s_median"] = round(self.refit_s_median, 6)
-        data["gbps"] = round(self.gbps, 3)
+        data["gbps"] = significant(self.gbps)
         data["refit_s"] = [round(s, 6) for s in self.refit_s]
         return {"mode": data.pop("mode"), **data}
 
@@ -128,13 +128,19 @@ def fold_rows(gathered: list[Any], *, mode: str,
     return telemetry, f"mode {mode} failed on {unique[0]}{then}"
 
 
+def significant(figure: float) -> float:
+    """``figure`` to 4 significant digits: a CPU run's bandwidths are thousandths of a GB/s,
+    which a fixed number of decimals would round to 0 (and a ratio of them far off)."""
+    return float(f"{figure:.4g}")
+
+
 def summarize(results: list[ModeResult], *, source: str, placement: str,
               targets: TargetsConfig, alignment_bytes: int) -> dict[str, Any]:
     """The last JSON line: every mode against the link, and the targets it must meet."""
     by_mode = {r.mode: r for r in results}
     link = by_mode.get("raw_link")
     link_gbps = link.gbps if link is not None else None
-    modes = {r.mode: {"gbps": round(r.gbps, 3), "refit_s_median": round(r.refit_s_median, 6),
+    modes = {r.mode: {"gbps": significant(r.gbps), "refit_s_median": round(r.refit_s_median, 6),
                       "fraction_of_link": round(r.gbps / link_gbps, 4) if link_gbps else None,
                       "verified": r.verified} for r in results}
     checks: dict[str, Any] = {}
@@ -157,7 +163,7 @@ def summarize(results: list[ModeResult], *, source: str, placement: str,
             "bridge_export_s": round(bridge_alone.refit_s_median, 6)}
     return {"summary": True, "source": source, "placement": placement,
             "device": results[0].device if results else None,
-            "raw_link_gbps": round(link_gbps, 3) if link_gbps else None,
+            "raw_link_gbps": significant(link_gbps) if link_gbps else None,
             "modes": modes, "targets": checks,
             "all_verified": all(r.verified is not False for r in results)}
 
