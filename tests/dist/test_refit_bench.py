@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mcore_refit.bench.synthetic import llama_specs, synthetic_specs
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
+from tests.ranks import run_script
 
 RECIPE = REPO_ROOT / "recipes" / "refit_bench.py"
 CONFIG = REPO_ROOT / "configs" / "refit_bench_cpu.yaml"
@@ -21,9 +22,10 @@ TINY_LLAMA_BYTES = sum(s.num_bytes for s in TINY_LLAMA)
 
 
 def bench(*overrides: str, nproc: int, timeout_s: float = 170) -> tuple[dict, dict]:
-    """Run the recipe; its per-mode lines by mode, and its summary line."""
-    result = run_torchrun(RECIPE, "--config", str(CONFIG), *overrides, nproc=nproc,
-                          timeout_s=timeout_s)
+    """Run the recipe (on forked ranks: the figures are the claim, not the launcher); its per-mode
+    lines by mode, and its summary line."""
+    result = run_script(RECIPE, "--config", str(CONFIG), *overrides, nproc=nproc,
+                        timeout_s=timeout_s)
     *lines, summary = [json.loads(line) for line in result.stdout.splitlines()
                        if line.startswith("{")]
     assert summary["summary"] is True
@@ -154,8 +156,8 @@ def test_trainer_only_times_the_exports_with_no_engine():
 
 def test_a_bad_override_fails_before_any_rank_starts_work():
     with pytest.raises(AssertionError, match="bench.modes must be distinct entries of raw_link"):
-        run_torchrun(RECIPE, "--config", str(CONFIG), "bench.modes=[engine, engine]", nproc=1,
-                     timeout_s=60)
+        run_script(RECIPE, "--config", str(CONFIG), "bench.modes=[engine, engine]", nproc=1,
+                   timeout_s=60)
 
 
 @pytest.mark.timeout(300)
