@@ -39,7 +39,8 @@ def mean(values):
 @pytest.fixture(scope="module")
 def colocated_run(checkpoint, tmp_path_factory):
     """The demo's colocated job for 100 steps, checkpointed at 50 and 100: the learning test, the
-    console test and the resume test read this one launch."""
+    console test and the resume test read this one launch (under torchrun: the console test
+    reads what its terminal shows)."""
     out = tmp_path_factory.mktemp("colocated") / "run"
     result = run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
                           f"run.output_dir={out}", "run.steps=100", "run.checkpoint_every=50",
@@ -86,9 +87,10 @@ def test_the_console_shows_our_lines_only(colocated_run):
 @pytest.mark.timeout(600)
 def test_non_colocated_run_refits_by_broadcast(checkpoint, tmp_path):
     out = tmp_path / "run"
-    result = run_torchrun(RECIPE, "--config", str(NON_COLOCATED), f"model.hf_path={checkpoint}",
-                          f"run.output_dir={out}", "run.steps=20", "run.verify_refit=true",
-                          nproc=3, timeout_s=540, standalone=True)
+    # On forked ranks (tests.ranks), as every launch here whose claim is not the launcher's.
+    result = run_script(RECIPE, "--config", str(NON_COLOCATED), f"model.hf_path={checkpoint}",
+                        f"run.output_dir={out}", "run.steps=20", "run.verify_refit=true",
+                        nproc=3, timeout_s=540)
     summary = last_json_line(result.stdout)
     assert summary["steps"] == 20 and summary["mode"] == "non_colocated"
     assert 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
@@ -159,9 +161,9 @@ def test_resume_continues_from_the_last_checkpoint(checkpoint, colocated_run, tm
     _, finished = colocated_run
     out = shutil.copytree(finished, tmp_path / "run")  # the learning test reads the original
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 100
-    resumed = run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
-                           f"run.output_dir={out}", "run.checkpoint_every=50", "run.steps=102",
-                           "--resume", nproc=2, timeout_s=540)
+    resumed = run_script(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
+                         f"run.output_dir={out}", "run.checkpoint_every=50", "run.steps=102",
+                         "--resume", nproc=2, timeout_s=540)
     assert last_json_line(resumed.stdout)["steps"] == 2
     assert [r["step"] for r in metrics(out)] == list(range(1, 103))
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 102
