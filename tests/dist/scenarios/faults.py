@@ -166,8 +166,8 @@ def main() -> int:
     distributed.shutdown = timed("shutdown", distributed.shutdown)
     for backend in (rollouts.ColocatedRollouts, rollouts.NonColocatedRollouts):
         backend.close = timed("close", backend.close)
-    try:
-        with StopSignals(announce=rank == 0) as stops:
+    with StopSignals(announce=rank == 0) as stops:
+        try:
             if config.refit.mode == "colocated":
                 job.ColocatedRollouts = faulty_colocated(args.fault, args.out)
                 job.run_colocated(config, rank=rank, world_size=world_size, **local,
@@ -181,12 +181,16 @@ def main() -> int:
                                       resume=False,
                                       store_host=os.environ["MASTER_ADDR"],
                                       store_port=int(os.environ["MASTER_PORT"]), stops=stops)
-    except BaseException as error:  # Terminated included: report it like any failure
-        reported = root_failure(error)  # what the recipe's traceback shows first
-        (args.out / f"rank{rank}.json").write_text(json.dumps(
-            {"t": time.time(), "error": f"{type(reported).__name__}: {reported}",
-             "traceback": "".join(traceback.format_exception(error)), "phases": PHASES}))
-        raise
+        except BaseException as error:  # Terminated included: report it like any failure
+            # This rank leaves now. The launcher's SIGTERM, sent as soon as another rank exited
+            # with its own report, must not end it before it wrote its own (the default action,
+            # once the block is left, or a Terminated raised into the write).
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            reported = root_failure(error)  # what the recipe's traceback shows first
+            (args.out / f"rank{rank}.json").write_text(json.dumps(
+                {"t": time.time(), "error": f"{type(reported).__name__}: {reported}",
+                 "traceback": "".join(traceback.format_exception(error)), "phases": PHASES}))
+            raise
     (args.out / f"rank{rank}.json").write_text(json.dumps({"t": time.time(), "error": None}))
     return 0
 
