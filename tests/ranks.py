@@ -4,7 +4,7 @@ Each rank runs ``scenario(rank, *args)`` in a fresh process joined to a gloo def
 free port, and writes the returned JSON (or the uncaught error) to a file the test reads back.
 
 The processes come from one fork server per test session that has imported torch and the
-library once (``start_process``): a fresh process then costs a fork, not the seconds of those
+library once (``process_context``): a fresh process then costs a fork, not the seconds of those
 imports, and still starts with no state of the test process (no process group, no engine).
 """
 
