@@ -5,16 +5,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # An environment variable that marks every process of one launch (see launched_processes).
 LAUNCH_TAG = "MCORE_REFIT_TEST_LAUNCH"
+# From the stack dump's SIGABRT to the kill of a launch that outlived its timeout.
+DUMP_WAIT_S = 3.0
 
 
 def free_port() -> int:
@@ -39,9 +44,11 @@ def run_torchrun(script: str | Path, *args: str, nproc: int, timeout_s: float,
                   else ["--master-addr=127.0.0.1", f"--master-port={free_port()}"])
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                *rendezvous, str(script), *args]
-    process = subprocess.Popen(command, cwd=cwd, env=launch_env(env), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    return _finish(process, command, timeout_s, expect_failure=expect_failure)
+    tag = uuid.uuid4().hex
+    process = subprocess.Popen(command, cwd=cwd, env=launch_env(env, tag=tag),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_no_core_dumps)
+    return _finish(process, command, timeout_s, tag=tag, expect_failure=expect_failure)
 
 
 def run_torchrun_nodes(script: str | Path, *args: str, num_nodes: int, nproc_per_node: int,
@@ -56,18 +63,22 @@ def run_torchrun_nodes(script: str | Path, *args: str, num_nodes: int, nproc_per
                  "--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args]
                 for node in range(num_nodes)]
     deadline = time.monotonic() + timeout_s
+    tag = uuid.uuid4().hex
     with contextlib.ExitStack() as stack:
         # Files, not pipes: an agent must never block on output nobody reads yet.
         outputs = [(stack.enter_context(tempfile.TemporaryFile("w+")),
                     stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in commands]
-        processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=launch_env(env), stdout=out,
-                                      stderr=err, text=True)
+        processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=launch_env(env, tag=tag),
+                                      stdout=out, stderr=err, text=True,
+                                      preexec_fn=_no_core_dumps)
                      for command, (out, err) in zip(commands, outputs, strict=True)]
         try:
             for process in processes:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=max(0.0, deadline - time.monotonic()))
         finally:
+            if any(process.poll() is None for process in processes):
+                dump_stacks(tag)
             for process in processes:
                 if process.poll() is None:
                     process.kill()
@@ -85,32 +96,60 @@ def run_torchrun_nodes(script: str | Path, *args: str, num_nodes: int, nproc_per
     return results
 
 
-def launch_env(env: dict[str, str] | None) -> dict[str, str]:
-    """The environment of a launch's processes: this one's, unbuffered, one OpenMP thread, and
-    ``env``."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+def launch_env(env: dict[str, str] | None, *, tag: str | None = None) -> dict[str, str]:
+    """The environment of a launch's processes: this one's, unbuffered, one OpenMP thread,
+    ``env``, and with a ``tag``, that tag (see :func:`launched_processes`) and Python's fault
+    handler (SIGABRT prints every thread's stack: :func:`dump_stacks`)."""
+    tagged = {} if tag is None else {LAUNCH_TAG: tag, "PYTHONFAULTHANDLER": "1"}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **tagged,
+            **(env or {})}
 
 
-def _finish(process: subprocess.Popen, command: list[str], timeout_s: float, *,
+def dump_stacks(tag: str) -> None:
+    """Make every live process of the launch tagged ``tag`` print the stacks of all its threads
+    on its stderr and end (SIGABRT, under ``PYTHONFAULTHANDLER``): what a launch that outlived
+    its timeout was waiting for, in its own output."""
+    for pid in launched_processes(tag):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGABRT)
+    deadline = time.monotonic() + DUMP_WAIT_S
+    while launched_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in launched_processes(tag):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _no_core_dumps() -> None:
+    """In a launch's first process, before it runs (inherited by all it starts): the SIGABRT of
+    :func:`dump_stacks` leaves no core file behind."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _finish(process: subprocess.Popen, command: list[str], timeout_s: float, *, tag: str,
             expect_failure: bool = False) -> subprocess.CompletedProcess:
-    """Wait for ``process``; raise with its output if it outlives ``timeout_s``, or if it fails
-    (with ``expect_failure``, if it succeeds instead)."""
+    """Wait for ``process``; raise with its output if it outlives ``timeout_s`` (with every
+    thread's stack of every process of the launch ``tag``), or if it fails (with
+    ``expect_failure``, if it succeeds instead)."""
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        dump_stacks(tag)
         process.kill()
         stdout, stderr = process.communicate()
-        raise launch_failure(command, f"did not finish within {timeout_s}s", stdout,
-                             stderr) from None
+        raise launch_failure(command, f"did not finish within {timeout_s}s (the stacks of its "
+                             "processes at that moment end its stderr)", stdout, stderr,
+                             tail_chars=60000) from None
     if (process.returncode != 0) != expect_failure:
         raise launch_failure(command, f"exited with {process.returncode}", stdout, stderr)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def launch_failure(command: list[str], what: str, stdout: str, stderr: str) -> AssertionError:
+def launch_failure(command: list[str], what: str, stdout: str, stderr: str, *,
+                   tail_chars: int = 10000) -> AssertionError:
     """The error of a launch that went wrong: the command, what happened, its output's tail."""
     return AssertionError(f"{' '.join(command)} {what}\n--- stdout ---\n{stdout[-10000:]}\n"
-                          f"--- stderr ---\n{stderr[-10000:]}")
+                          f"--- stderr ---\n{stderr[-tail_chars:]}")
 
 
 def last_json_line(stdout: str) -> dict:

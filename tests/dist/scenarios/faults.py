@@ -34,7 +34,7 @@ from mcore_refit.grpo import job, rollouts
 from mcore_refit.grpo.config import GRPOJobConfig
 from mcore_refit.inference.engine import InferenceEngine
 from mcore_refit.interrupts import StopSignals
-from mcore_refit.processes import exit_after, root_failure
+from mcore_refit.processes import Interrupted, Terminated, exit_after, root_failure
 
 VERSION = 1  # the refit the fault strikes: the first one after a training step
 PHASES: list[tuple[str, float, float]] = []  # (step of the unwinding, start, end), unix times
@@ -149,6 +149,26 @@ def arm_inference_rank(out: Path) -> None:
     InferenceEngine.load_weights = load_weights
 
 
+def report_failure(path: Path, error: BaseException) -> None:
+    """Write this rank's report of ``error`` to ``path``; stop signals go unanswered from here on.
+
+    The launcher sends SIGTERM to every rank as soon as one exited. StopSignals raises the first
+    one in the main thread, at whatever line it runs then: here too, before the report is
+    written, if this rank failed on its own (a peer's death) just before. Such a late stop is
+    reported for what it interrupted, the failure it arrived during (``root_failure``)."""
+    while True:
+        try:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)
+            reported = root_failure(error)  # what the recipe's traceback shows first
+            path.write_text(json.dumps(
+                {"t": time.time(), "error": f"{type(reported).__name__}: {reported}",
+                 "traceback": "".join(traceback.format_exception(error)), "phases": PHASES}))
+            return
+        except (Terminated, Interrupted) as late:  # raised once at most (StopSignals)
+            error = late
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", required=True,
@@ -182,14 +202,7 @@ def main() -> int:
                                       store_host=os.environ["MASTER_ADDR"],
                                       store_port=int(os.environ["MASTER_PORT"]), stops=stops)
         except BaseException as error:  # Terminated included: report it like any failure
-            # This rank leaves now. The launcher's SIGTERM, sent as soon as another rank exited
-            # with its own report, must not end it before it wrote its own (the default action,
-            # once the block is left, or a Terminated raised into the write).
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-            reported = root_failure(error)  # what the recipe's traceback shows first
-            (args.out / f"rank{rank}.json").write_text(json.dumps(
-                {"t": time.time(), "error": f"{type(reported).__name__}: {reported}",
-                 "traceback": "".join(traceback.format_exception(error)), "phases": PHASES}))
+            report_failure(args.out / f"rank{rank}.json", error)
             raise
     (args.out / f"rank{rank}.json").write_text(json.dumps({"t": time.time(), "error": None}))
     return 0
