@@ -30,6 +30,7 @@ import uuid
 
 from mcore_refit.bench import RefitBenchJob, run_bench
 from mcore_refit.config import load_config
+from mcore_refit.inference.vllm import engine as vllm_engine
 from mcore_refit.logs import configure_logging
 
 
@@ -40,10 +41,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     job = load_config(RefitBenchJob, args.config, args.overrides)
     if job.bench.engine == "vllm":
-        # vLLM in the receiving process (the refit's live groups reach its worker), no usage
-        # reports, no hub lookups; the engine processes of a colocated run inherit these.
-        os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
-                           "HF_HUB_OFFLINE": "1"})
+        # vLLM's switches, before anything imports it (the engine processes of a colocated run
+        # inherit them): its engine in the receiving process, no usage reports or hub lookups,
+        # its records through this process's logging (not a handler of its own on stdout).
+        os.environ.update({key: value for key, value in vllm_engine.ENVIRONMENT.items()
+                           if key not in os.environ})
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank=rank, log_file=None)
     return run_bench(job, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")),
