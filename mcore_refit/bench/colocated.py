@@ -78,6 +78,7 @@ def _start_engine(bench: ColocatedBench, plan_json: str) -> EngineProcess:
                            vllm=(vllm_engine_args(bench.job) if bench.job.bench.engine == "vllm"
                                  else None))
     return EngineProcess(spec, timeout_s=bench.job.refit.transport.start_timeout_s,
+                         liveness_s=bench.job.refit.transport.liveness_s,
                          server=BenchEngineServer)
 
 

@@ -94,7 +94,7 @@ class ColocatedRollouts:
         config, context = self._config, self._context
         self.engine = EngineProcess(
             engine_spec(config, device=context.device, seed=config.run.seed + context.rank),
-            timeout_s=config.inference.timeout_s,
+            timeout_s=config.inference.timeout_s, liveness_s=config.refit.transport.liveness_s,
         )
 
     def _connect(self, *, source: RefitSource, plan: RefitPlan, job_id: str) -> None:

@@ -99,13 +99,16 @@ class EngineProcess:
     ``server`` is the class the process instantiates from ``spec.to_json()``; each command
     ``name`` calls its ``do_<name>`` method with JSON keyword arguments and returns its JSON
     value. Commands are sent with :meth:`submit` and their replies collected with :meth:`wait`,
-    so the trainer can run its side of a refit between the two; :meth:`call` does both.
+    so the trainer can run its side of a refit between the two; :meth:`call` does both. A wait
+    ends after ``timeout_s``, or within ``liveness_s`` of the process's death.
     """
 
-    def __init__(self, spec, *, timeout_s: float, server: type | None = None) -> None:
+    def __init__(self, spec, *, timeout_s: float, server: type | None = None,
+                 liveness_s: float = TransportOptions.liveness_s) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._timeout_s = timeout_s
+        self._liveness_s = liveness_s
         self._pending: str | None = None
         # The engine dies with the trainer; the launcher's SIGINT or SIGTERM, which reaches it
         # too (it signals the rank's process group), it ignores: the trainer stops its engine.
@@ -152,10 +155,18 @@ class EngineProcess:
         """The reply to the pending ``command``; raises EngineError on failure or timeout."""
         if command != "start" and self._pending != command:
             raise RuntimeError(f"waiting for {command!r} but {self._pending!r} is pending")
-        if not self._conn.poll(self._timeout_s):
-            self._check_alive(command)
-            raise EngineError(f"the inference engine did not answer {command!r} within "
-                              f"{self._timeout_s:.0f}s")
+        # A dead engine's end of the pipe reads as closed, unless a process it started still
+        # holds it: its exit code is checked too, every liveness_s.
+        deadline = time.monotonic() + self._timeout_s
+        while not self._conn.poll(min(self._liveness_s,
+                                      max(0.0, deadline - time.monotonic()))):
+            problem = self.alive_problem()
+            if problem is not None:
+                self._pending = None
+                raise EngineError(f"{problem} during {command!r}")
+            if time.monotonic() >= deadline:
+                raise EngineError(f"the inference engine did not answer {command!r} within "
+                                  f"{self._timeout_s:.0f}s")
         try:
             data = self._conn.recv_bytes()
         except (EOFError, OSError):  # OSError: it died with our command unread (reset)

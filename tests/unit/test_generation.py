@@ -129,6 +129,16 @@ class EchoServer:
 
         time.sleep(seconds)
 
+    def do_start_holder(self):
+        """A process that inherits every descriptor of this one (the pipe's end too) and
+        outlives it; returns its pid."""
+        import subprocess
+        import sys
+
+        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                  close_fds=False)
+        return holder.pid
+
     def close(self) -> None:
         pass
 
@@ -175,6 +185,28 @@ def test_an_engine_killed_at_any_moment_is_reported_by_its_exit_code():
                                               r"run| during) 'echo'$"):
             engine.call("echo")
         assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_command_is_reported_though_a_process_it_started_holds_its_pipe():
+    import os
+    import signal
+    import time
+
+    with EngineProcess(_EchoSpec(name="echo"), timeout_s=60.0, server=EchoServer,
+                       liveness_s=0.5) as engine:
+        holder = engine.call("start_holder")  # the pipe never reads as closed
+        try:
+            engine.submit("sleep", seconds=60)
+            os.kill(engine.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(EngineError, match=rf"^the inference engine process \(pid "
+                                                  rf"{engine.pid}\) exited with code -9 during "
+                                                  r"'sleep'$"):
+                engine.wait("sleep")
+            assert time.monotonic() - started < 5.0
+        finally:
+            os.kill(holder, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -77,10 +77,12 @@ class GroupCollectives:
         far), and ``done`` is recorded on ``stream`` once NCCL finished (``work.wait()`` only
         orders the stream; the host never blocks here).
         """
-        return _issue([self._start_broadcast(tensor, src_rank)], streams=self.streams,
-                      what=what, stream=stream, done=done)
+        return _issue([self.broadcast_starter(tensor, src_rank=src_rank)],
+                      streams=self.streams, what=what, stream=stream, done=done)
 
-    def _start_broadcast(self, tensor: torch.Tensor, src_rank: int):
+    def broadcast_starter(self, tensor: torch.Tensor, *, src_rank: int):
+        """A call that starts broadcasting ``tensor`` from group rank ``src_rank`` and returns
+        its ``Work``: for :func:`broadcast_to_each`, which starts several before waiting."""
         options = dist.BroadcastOptions()
         options.rootRank = src_rank
         return lambda: self.group.broadcast([tensor], options)
@@ -104,7 +106,7 @@ def broadcast_to_each(links: Sequence[GroupCollectives], tensor: torch.Tensor, *
     """
     if not links:
         raise ValueError(f"{what}: no link to broadcast over")
-    return _issue([link._start_broadcast(tensor, link.rank) for link in links],
+    return _issue([link.broadcast_starter(tensor, src_rank=link.rank) for link in links],
                   streams=links[0].streams, what=what, stream=stream, done=done)
 
 
