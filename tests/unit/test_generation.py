@@ -171,6 +171,11 @@ def test_an_engine_that_cannot_start_sends_its_traceback():
     assert message.endswith("RuntimeError: no engine for this spec\n"), message
 
 
+def _killed(engine: EngineProcess, then: str) -> str:
+    """The pattern of the error naming ``engine``'s SIGKILL, followed by ``then`` (a pattern)."""
+    return rf"^the inference engine process \(pid {engine.pid}\) exited with code -9{then}$"
+
+
 @pytest.mark.slow
 def test_an_engine_killed_at_any_moment_is_reported_by_its_exit_code():
     import os
@@ -180,9 +185,7 @@ def test_an_engine_killed_at_any_moment_is_reported_by_its_exit_code():
     with EngineProcess(_EchoSpec(name="echo"), timeout_s=60.0, server=EchoServer) as engine:
         os.kill(engine.pid, signal.SIGKILL)  # not reaped yet: the next command finds it dead
         started = time.monotonic()
-        with pytest.raises(EngineError, match=rf"^the inference engine process \(pid "
-                                              rf"{engine.pid}\) exited with code -9(; cannot "
-                                              r"run| during) 'echo'$"):
+        with pytest.raises(EngineError, match=_killed(engine, "(; cannot run| during) 'echo'")):
             engine.call("echo")
         assert time.monotonic() - started < 5.0
 
@@ -200,9 +203,7 @@ def test_an_engine_killed_mid_command_is_reported_though_a_process_it_started_ho
             engine.submit("sleep", seconds=60)
             os.kill(engine.pid, signal.SIGKILL)
             started = time.monotonic()
-            with pytest.raises(EngineError, match=rf"^the inference engine process \(pid "
-                                                  rf"{engine.pid}\) exited with code -9 during "
-                                                  r"'sleep'$"):
+            with pytest.raises(EngineError, match=_killed(engine, " during 'sleep'")):
                 engine.wait("sleep")
             assert time.monotonic() - started < 5.0
         finally:
