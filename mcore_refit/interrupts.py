@@ -25,6 +25,7 @@ process is gone within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -98,6 +99,7 @@ class StopSignals:
         self._lock = threading.Lock()
         self._stop: Stop | None = None
         self._raised = False
+        self._unwinding = 0  # depth of unwinding() blocks
         self._announced = False
         self._restore: list = []
         self._left = threading.Event()  # the block ended: no forced exit any more
@@ -130,6 +132,20 @@ class StopSignals:
         self._peers = peers
         self._watching = True
 
+    @contextlib.contextmanager
+    def unwinding(self):
+        """The block of a rank that leaves after a failure of its own (closing its engine,
+        tearing down its groups): a stop signal arriving inside is recorded, and its forced exit
+        armed, but not raised into that work. The failure in flight is what the rank reports.
+
+        The launcher's SIGTERM after another rank exited often comes while a rank unwinds from
+        the same failure; raised there, it would cut the clean-up short."""
+        self._unwinding += 1
+        try:
+            yield
+        finally:
+            self._unwinding -= 1
+
     @property
     def stop(self) -> Stop | None:
         """The first stop signal, once one arrived."""
@@ -157,7 +173,7 @@ class StopSignals:
         """The main thread's handler: raise once; later signals are ignored while it unwinds
         (the grace bounds that)."""
         stop = self._arrived(signum)
-        if self._raised:
+        if self._raised or self._unwinding:
             return
         self._raised = True
         if stop.interrupts:

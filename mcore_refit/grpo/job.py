@@ -7,6 +7,7 @@ tear the process groups down however the run ends.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -129,14 +130,16 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
         rollouts = ColocatedRollouts(config=config, context=context, source=source,
                                      job_id=job_id)
         summary = train_and_close(config, policy, rollouts, pad_token_id, context.device,
-                                  trainers, resume)
+                                  trainers, resume, stops=stops)
         failed = False
         return summary
     except BaseException as error:
-        raise_dead_peer_first(context.peers, error)
+        with unwinding(stops):
+            raise_dead_peer_first(context.peers, error)
         raise
     finally:
-        distributed.shutdown(failed=failed)
+        with unwinding(stops) if failed else contextlib.nullcontext():
+            distributed.shutdown(failed=failed)
 
 
 def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_rank: int,
@@ -169,14 +172,16 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
         source = policy.weight_source(control=trainers, prefer=prefer)
         rollouts = NonColocatedRollouts(config=config, job=job, source=source)
         summary = train_and_close(config, policy, rollouts, pad_token_id, job.context.device,
-                                  trainers, resume)
+                                  trainers, resume, stops=stops)
         failed = False
         return summary
     except BaseException as error:
-        raise_dead_peer_first(job.context.peers, error)
+        with unwinding(stops):
+            raise_dead_peer_first(job.context.peers, error)
         raise
     finally:
-        distributed.shutdown(failed=failed)
+        with unwinding(stops) if failed else contextlib.nullcontext():
+            distributed.shutdown(failed=failed)
 
 
 def build_trainer(config: GRPOJobConfig, device: torch.device) -> tuple[Policy, int]:
@@ -199,15 +204,23 @@ def trainer_control(group: dist.ProcessGroup, config: GRPOJobConfig, *,
 
 
 def train_and_close(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, pad_token_id: int,
-                    device: torch.device, trainers: ControlGroup, resume: bool) -> dict:
-    """:func:`train`, then close ``rollouts`` (after a failure, without waiting on peers)."""
+                    device: torch.device, trainers: ControlGroup, resume: bool, *,
+                    stops: StopSignals | None = None) -> dict:
+    """:func:`train`, then close ``rollouts`` (after a failure, without waiting on peers, and
+    not cut short by a stop signal: :meth:`StopSignals.unwinding`)."""
     try:
         summary = train(config, policy, rollouts, pad_token_id, device, trainers, resume)
     except BaseException:
-        rollouts.close(failed=True)
+        with unwinding(stops):
+            rollouts.close(failed=True)
         raise
     rollouts.close()
     return summary
+
+
+def unwinding(stops: StopSignals | None):
+    """``stops.unwinding()``; nothing without stop signals."""
+    return stops.unwinding() if stops is not None else contextlib.nullcontext()
 
 
 def train(config: GRPOJobConfig, policy: Policy, rollouts: Rollouts, pad_token_id: int,

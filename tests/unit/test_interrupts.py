@@ -49,6 +49,24 @@ def test_a_stop_after_a_peer_died_raises_terminated_naming_it_once():
     time.sleep(StopSignals(announce=False).grace_s + 0.5)  # no forced exit once the block ended
 
 
+def test_a_stop_while_a_rank_unwinds_from_its_own_failure_leaves_that_failure_and_its_clean_up():
+    cleaned = []
+    with pytest.raises(RuntimeError, match="^the rank's own failure$"):
+        with StopSignals(announce=False) as stops:
+            stops.watch(dead_watch())
+            try:
+                raise RuntimeError("the rank's own failure")
+            except RuntimeError:
+                with stops.unwinding():
+                    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, after another rank
+                    time.sleep(0.5)
+                    cleaned.append("engine closed")
+                raise
+    assert cleaned == ["engine closed"]
+    assert stops.stop.signum == signal.SIGTERM and not stops.stop.interrupts
+    time.sleep(StopSignals(announce=False).grace_s + 0.5)  # no forced exit once the block ended
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_with_every_peer_alive_is_an_interrupt_said_in_one_line(signum, capsys):
     with pytest.raises(Interrupted) as raised:
