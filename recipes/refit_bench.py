@@ -44,8 +44,7 @@ def main(argv: list[str]) -> int:
         # vLLM's switches, before anything imports it (the engine processes of a colocated run
         # inherit them): its engine in the receiving process, no usage reports or hub lookups,
         # its records through this process's logging (not a handler of its own on stdout).
-        os.environ.update({key: value for key, value in vllm_engine.ENVIRONMENT.items()
-                           if key not in os.environ})
+        vllm_engine.set_where_unset(vllm_engine.ENVIRONMENT)
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank=rank, log_file=None)
     return run_bench(job, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")),

@@ -138,7 +138,7 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
             raise_dead_peer_first(context.peers, error)
         raise
     finally:
-        with unwinding(stops) if failed else contextlib.nullcontext():
+        with unwinding(stops if failed else None):
             distributed.shutdown(failed=failed)
 
 
@@ -180,7 +180,7 @@ def run_non_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, loca
             raise_dead_peer_first(job.context.peers, error)
         raise
     finally:
-        with unwinding(stops) if failed else contextlib.nullcontext():
+        with unwinding(stops if failed else None):
             distributed.shutdown(failed=failed)
 
 

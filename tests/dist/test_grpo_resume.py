@@ -20,6 +20,7 @@ from tests.launch import (
     REPO_ROOT,
     free_port,
     last_json_line,
+    launch_env,
     launched_processes,
 )
 from tests.ranks import run_script
@@ -92,7 +93,7 @@ def kill_in_save(mode, checkpoint, out, *, kill_at):
                "--kill-at", str(kill_at), "--marker", str(marker), "--",
                *recipe_args(mode, checkpoint, out)]
     tag = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", LAUNCH_TAG: tag}
+    env = launch_env({LAUNCH_TAG: tag})
     log = out.parent / f"{out.name}.log"
     with log.open("w") as output:
         launch = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=output,

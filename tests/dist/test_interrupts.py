@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
-from tests.launch import LAUNCH_TAG, REPO_ROOT, launched_processes
+from tests.launch import LAUNCH_TAG, REPO_ROOT, launch_env, launched_processes
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
@@ -48,7 +48,7 @@ def stop_launch(checkpoint, out: Path, *, when: str,
                f"model.hf_path={checkpoint}", f"run.output_dir={out}", "run.steps=1000",
                "eval=null", "run.eval_every=0", "grpo.prompts_per_step=4",
                "grpo.samples_per_prompt=4"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", LAUNCH_TAG: tag}
+    env = launch_env({LAUNCH_TAG: tag})
     stderr = out.parent / f"{out.name}.stderr"
     with stderr.open("w") as errors:
         # A session of its own, as from a terminal: the signal reaches torchrun only.

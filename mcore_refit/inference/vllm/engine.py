@@ -71,6 +71,14 @@ ENVIRONMENT = {
 CPU_ENVIRONMENT = {"TORCH_COMPILE_DISABLE": "1"}
 
 
+def set_where_unset(values: dict[str, str]) -> dict[str, str]:
+    """Set each of ``values`` in this process's environment where the user has not set it;
+    returns what it set."""
+    applied = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(applied)
+    return applied
+
+
 def configure_environment(device: torch.device) -> dict[str, str]:
     """Set :data:`ENVIRONMENT` (and on CPU :data:`CPU_ENVIRONMENT`) in this process where the user
     has not set a value; returns what it set. Call before vLLM is imported (it reads some
@@ -80,9 +88,8 @@ def configure_environment(device: torch.device) -> dict[str, str]:
     are dropped: its start-up notes would otherwise reach the terminal through Python's
     last-resort handler.
     """
-    wanted = {**ENVIRONMENT, **(CPU_ENVIRONMENT if device.type == "cpu" else {})}
-    applied = {key: value for key, value in wanted.items() if key not in os.environ}
-    os.environ.update(applied)
+    applied = set_where_unset({**ENVIRONMENT,
+                               **(CPU_ENVIRONMENT if device.type == "cpu" else {})})
     if not torch.distributed.is_initialized():
         # Inherited from torchrun by an engine process: it would make vLLM's own one-process
         # group join torchrun's agent store, at an address where nothing listens (a silent
