@@ -18,7 +18,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # An environment variable that marks every process of one launch (see launched_processes).
 LAUNCH_TAG = "MCORE_REFIT_TEST_LAUNCH"
-# From the stack dump's SIGABRT to the kill of a launch that outlived its timeout.
+# How long a process of a launch that outlived its timeout gets to print its stacks and end.
 DUMP_WAIT_S = 3.0
 
 
@@ -108,16 +108,33 @@ def launch_env(env: dict[str, str] | None, *, tag: str | None = None) -> dict[st
 def dump_stacks(tag: str) -> None:
     """Make every live process of the launch tagged ``tag`` print the stacks of all its threads
     on its stderr and end (SIGABRT, under ``PYTHONFAULTHANDLER``): what a launch that outlived
-    its timeout was waiting for, in its own output."""
-    for pid in launched_processes(tag):
+    its timeout was waiting for, in its own output.
+
+    All of them are stopped first and then dumped one at a time, so that no block of stacks is
+    interleaved with another's and no process reacts to another's end (torchrun stopping its
+    ranks) before printing its own."""
+    pids = launched_processes(tag)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGSTOP)
+    for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGABRT)
-    deadline = time.monotonic() + DUMP_WAIT_S
-    while launched_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + DUMP_WAIT_S
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
     for pid in launched_processes(tag):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not yet ended (a zombie has)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
 
 
 def _no_core_dumps() -> None:
@@ -169,10 +186,9 @@ def launched_processes(tag):
         if not entry.name.isdigit():
             continue
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                status = (entry / "status").read_text()
-                if "\nState:\tZ" not in status:
-                    pids.append(int(entry.name))
+            tagged = needle in (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
+        if tagged and _running(int(entry.name)):
+            pids.append(int(entry.name))
     return pids
