@@ -33,6 +33,8 @@ class ModeResult:
     largest_tensor_bytes: int | None = None
     phases: dict[str, float] = field(default_factory=dict)
     receiver_phases: dict[str, float] = field(default_factory=dict)
+    # The receiving engine's own figures (telemetry's ``engine``: vLLM's loader), medians.
+    receiver_engine: dict[str, float] = field(default_factory=dict)
     peak_extra_bytes: int | None = None
     receiver_peak_extra_bytes: int | None = None
     new_allocations: int | None = None
@@ -81,6 +83,11 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     if receiver:
         result.receiver_phases = {p: round(statistics.median(t[p] for t in receiver), 6)
                                   for p in PHASES}
+        figures = sorted({key for t in receiver for key in t.get("engine", {})})
+        result.receiver_engine = {
+            key: round(statistics.median(t["engine"][key] for t in receiver
+                                         if key in t.get("engine", {})), 6)
+            for key in figures}
     result.peak_extra_bytes = _max(t.peak_extra_bytes for t in sender)
     result.new_allocations = _sum(t.new_allocations for t in sender)
     result.new_segments = _sum(t.new_segments for t in sender)

@@ -195,7 +195,7 @@ class EngineEndpoint(ABC):
         except BaseException:
             self._failed = True
             raise
-        logger.info("refit %s%s", json.dumps(self.last_telemetry.as_dict()), self._log_figures())
+        logger.info("refit %s", json.dumps(self.last_telemetry.as_dict()))
         return self.last_telemetry
 
     def finish_weight_update(self, weight_version: int) -> None:
@@ -243,10 +243,6 @@ class EngineEndpoint(ABC):
     @abstractmethod
     def _disconnect(self) -> None:
         """Close the receiver."""
-
-    def _log_figures(self) -> str:
-        """The engine's own figures of the last refit, for its log line (none by default)."""
-        return ""
 
 
 class WeightTransferEndpoint(EngineEndpoint):

@@ -55,6 +55,9 @@ class DeviceStreams:
         Polls instead of ``event.synchronize()``, which cannot time out: spins for the first
         couple of milliseconds (most waits in a refit are a buffer's copy or transfer, and a
         sleep's wake-up latency would add to every one), then sleeps at most 200 µs at a time.
+        The spin gives the GIL up on every turn, so another thread of the process (vLLM's
+        loads beside a refit's receive) keeps running: a spin that held it took that thread
+        half its time.
         """
         if event is None or event.query():
             return
@@ -75,6 +78,8 @@ class DeviceStreams:
             if now > spin_until:
                 time.sleep(pause)
                 pause = min(pause * 2, 2e-4)
+            else:
+                time.sleep(0)  # releases the GIL: a turn for any other thread
 
     def synchronize(self, *, timeout_s: float, what: str) -> None:
         """Wait for all work queued on this device's current stream (with a timeout)."""

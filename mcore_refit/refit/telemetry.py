@@ -11,6 +11,9 @@ they do not add up to ``total_s``. Meanings:
 - ``load_s``: receiver only, time in the engine's ``load_weights`` (device time on GPU);
 - ``wait_s``: host time blocked on a buffer slot, an arrival or an ACK;
 - ``checksum_s`` / ``verify_s``: time in per-buffer checksums / the post-refit equality check;
+- ``engine``: receiver only, the engine's own figures of the refit where it has them (vLLM:
+  ``load_s``, seconds in its loader; ``load_calls``, calls into it; ``wait_s``, seconds the last
+  buffer waited for its loads);
 - ``payload_bytes``: the tensors' own bytes the refit delivered;
 - ``held_bytes``: device memory this rank holds for refits (its slots, mapped peer slots not
   counted; the export's shard exchange buffers where it has them);
@@ -23,7 +26,7 @@ they do not add up to ``total_s``. Meanings:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ class RefitTelemetry:
     new_segments: int | None = None
     checksums: bool = False
     verified: bool | None = None
+    engine: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def for_plan(cls, plan: RefitPlan, *, role: str, transport: str, refit_index: int,

@@ -112,6 +112,7 @@ class RefitBackend(WeightTransferEngine[RefitInitRequest, RefitUpdateRequest]):
             self.loader.abandon()
             raise
         telemetry.held_bytes += self.loader.staging_bytes
+        telemetry.engine = self.loader.figures()
         self.last_telemetry = telemetry
 
     def finish_weight_update(self) -> None:

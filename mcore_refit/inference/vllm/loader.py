@@ -59,6 +59,12 @@ class VllmModelLoader:
         self.vllm_load_s = 0.0
         self.vllm_wait_s = 0.0
 
+    def figures(self) -> dict[str, float]:
+        """The last refit's figures inside vLLM: seconds in its loader (set-up, loads and
+        finalisation), calls into its ``load_weights``, seconds the last buffer waited."""
+        return {"load_s": round(self.vllm_load_s, 6), "load_calls": self._pipeline.load_calls,
+                "wait_s": round(self.vllm_wait_s, 6)}
+
     @property
     def staging_bytes(self) -> int:
         return self._staging.nbytes if self._staging is not None else 0

@@ -15,23 +15,53 @@ waits never queue behind them. Events order the two: the loads' stream waits for
 copies, and :meth:`LoadPipeline.drain` makes the caller's stream wait for the loads' work in
 turn, so whatever the caller does next (vLLM's finalisation, the next refit's staging copies
 into the same memory) comes after it on the device too.
+
+Loads that queued up while an earlier one ran are merged into one call: each call into vLLM's
+loader has a fixed cost (the model's ``load_weights`` walks its parameters and loaders), so when
+buffers arrive faster than vLLM loads them, the loads catch up in a few large calls instead of
+one call per buffer.
+
+vLLM's load is mostly Python, so the two threads share the GIL, and the loading thread holds it
+most of the time. Each time the receiving thread returns from a wait it needs the GIL back, and
+the interpreter makes a thread that wants it wait its switch interval (5 ms by default) before
+taking it from a busy one: per buffer, that held the transport back more than the transfer
+took. While loads are queued or running, the switch interval is therefore
+:data:`SWITCH_INTERVAL_S`; the process's own comes back when the pipeline is drained.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import torch
 
 Weights = Sequence[tuple[str, torch.Tensor]]
 
+# The interpreter's switch interval while loads run beside a refit's receive (see above).
+SWITCH_INTERVAL_S = 5e-4
+
+
+@dataclass
+class _Entry:
+    """One queued piece of work: tensors to load, or another step (``weights`` is ``None``)."""
+
+    what: str  # names it in a failure
+    staged: torch.cuda.Event | None  # the caller's device work before it was queued (CUDA)
+    weights: list[tuple[str, torch.Tensor]] | None = None
+    step: Callable[[], None] | None = None
+
 
 class LoadPipeline:
     """Runs ``load(weights)`` for every :meth:`submit` (and any other step given to
-    :meth:`run`) on one background thread, in order.
+    :meth:`run`) on one background thread, in order; loads queued back to back while the thread
+    was busy go to ``load`` as one call.
 
     A step that raises stops the pipeline: later steps are skipped and the failure is raised,
     naming the tensors (or the step), by the next :meth:`submit` and by :meth:`drain`. ``device``:
@@ -48,11 +78,16 @@ class LoadPipeline:
         self._load = load
         self._executor: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None  # the loads' stream (CUDA)
+        self._queue: deque[_Entry] = deque()
+        self._queue_lock = threading.Lock()
         self._pending: list[Future] = []
         self._failure: BaseException | None = None
         self._failed_on: str | None = None  # what the failed step was doing
-        # Seconds spent in the steps (loads and others) since the last reset_timing().
+        self._saved_switch_interval: float | None = None  # the process's, while loads run
+        # Seconds spent in the steps (loads and others), and the calls into ``load``, since the
+        # last reset_timing().
         self.load_s = 0.0
+        self.load_calls = 0
 
     @property
     def busy(self) -> bool:
@@ -61,19 +96,18 @@ class LoadPipeline:
 
     def reset_timing(self) -> None:
         self.load_s = 0.0
+        self.load_calls = 0
 
     def submit(self, weights: Weights) -> None:
         """Queue ``load(weights)`` after every earlier submission; raises the failure of an
         earlier load instead, if one failed. The caller's device work so far (the copies that
         filled ``weights``) is done before the load reads them."""
-        weights = list(weights)
-        first, last = (weights[0][0], weights[-1][0]) if weights else ("", "")
-        self._queue(lambda: self._load(weights), what=f"on the tensors {first!r} .. {last!r}")
+        self._queue_entry(weights=list(weights))
 
     def run(self, step: Callable[[], None], *, what: str) -> None:
         """Queue ``step()`` after every earlier submission, like a load (``what`` names it in a
         failure: "vLLM's loader failed <what>")."""
-        self._queue(step, what=what)
+        self._queue_entry(step=step, what=what)
 
     def drain(self, *, timeout_s: float) -> None:
         """Wait until every submitted load returned (``timeout_s`` in all: a
@@ -86,12 +120,14 @@ class LoadPipeline:
                 done = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 self._pending = pending[position:]
+                with self._queue_lock:
+                    queued = len(self._queue)
                 raise TimeoutError(f"vLLM's loader had not finished the refit's last buffers "
-                                   f"{timeout_s:.0f} s after they arrived "
-                                   f"({len(pending) - position} loads still queued or running)"
-                                   ) from None
+                                   f"{timeout_s:.0f} s after they arrived ({queued} more "
+                                   "queued behind the one running)") from None
             if done is not None:
                 torch.cuda.current_stream(self._device).wait_event(done)
+        self._restore_switch_interval()
         self._raise_failure()
 
     def close(self) -> None:
@@ -99,7 +135,10 @@ class LoadPipeline:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+        with self._queue_lock:
+            self._queue.clear()
         self._pending = []
+        self._restore_switch_interval()
 
     # --- internals -------------------------------------------------------------------------
 
@@ -108,43 +147,76 @@ class LoadPipeline:
             torch.cuda.set_device(self._device)
             # The loads get a stream of their own (the current stream is per thread). On the
             # device's default stream, which the receiving thread's copies and waits also use,
-            # each buffer's hand-over would wait on the device for the loads queued before it:
-            # measured on 2x H200, 16 loads took 123 ms in all against 80 ms for vLLM's load of
-            # the same tensors in one call, and the refit 172 ms. Events order the two streams.
+            # each buffer's hand-over would wait on the device for the loads queued before it.
+            # Events order the two streams.
             self._stream = torch.cuda.Stream(self._device)
             torch.cuda.set_stream(self._stream)
 
-    def _queue(self, step: Callable[[], None], *, what: str) -> None:
+    def _queue_entry(self, *, weights: list[tuple[str, torch.Tensor]] | None = None,
+                     step: Callable[[], None] | None = None, what: str = "") -> None:
         self._raise_failure()
         staged = None
         if self._cuda:
             staged = torch.cuda.Event()
             staged.record(torch.cuda.current_stream(self._device))
+        if self._saved_switch_interval is None:
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+        with self._queue_lock:
+            self._queue.append(_Entry(what=what, staged=staged, weights=weights, step=step))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-load",
                                                 initializer=self._init_thread)
-        self._pending.append(self._executor.submit(self._run, step, what, staged))
+        # One task per entry: a task takes the entry at the head of the queue (with the loads
+        # queued right behind it), so a task may find its entry already taken by an earlier one.
+        self._pending.append(self._executor.submit(self._run_next))
 
-    def _run(self, step: Callable[[], None], what: str,
-             staged: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        if self._failure is not None:
+    def _take(self) -> _Entry | None:
+        """The entry at the head of the queue, merged with the loads queued right behind it."""
+        with self._queue_lock:
+            if not self._queue:
+                return None
+            entry = self._queue.popleft()
+            if entry.weights is None:
+                return entry
+            weights, staged = list(entry.weights), entry.staged
+            while self._queue and self._queue[0].weights is not None:
+                following = self._queue.popleft()
+                weights += following.weights
+                staged = following.staged
+        first, last = (weights[0][0], weights[-1][0]) if weights else ("", "")
+        return _Entry(what=f"on the tensors {first!r} .. {last!r}", staged=staged,
+                      weights=weights)
+
+    def _run_next(self) -> torch.cuda.Event | None:
+        entry = self._take()
+        if entry is None or self._failure is not None:
             return None
         started = time.perf_counter()
         try:
-            if staged is not None:
-                torch.cuda.current_stream(self._device).wait_event(staged)
+            if entry.staged is not None:
+                torch.cuda.current_stream(self._device).wait_event(entry.staged)
             with torch.no_grad():
-                step()
+                if entry.weights is None:
+                    entry.step()
+                else:
+                    self.load_calls += 1
+                    self._load(entry.weights)
             if not self._cuda:
                 return None
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self._device))
             return done
         except BaseException as error:
-            self._failure, self._failed_on = error, what
+            self._failure, self._failed_on = error, entry.what
             return None
         finally:
             self.load_s += time.perf_counter() - started
+
+    def _restore_switch_interval(self) -> None:
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
 
     def _raise_failure(self) -> None:
         if self._failure is None:

@@ -51,7 +51,6 @@ class VllmWeightTransfer(EngineEndpoint):
                              "mcore_refit.inference.vllm.backend.weight_transfer_config()")
         super().__init__(device=device, options=options, plan=plan)
         self._llm = llm
-        self._vllm_load_s = self._vllm_wait_s = 0.0
 
     @property
     def plan(self) -> RefitPlan | None:
@@ -73,14 +72,9 @@ class VllmWeightTransfer(EngineEndpoint):
 
     def _receive(self) -> RefitTelemetry:
         self._llm.update_weights({"update_info": {}})
-        telemetry, self._vllm_load_s, self._vllm_wait_s = self._backend_state(
-            lambda backend: (backend.last_telemetry, backend.loader.vllm_load_s,
-                             backend.loader.vllm_wait_s))
-        return telemetry
-
-    def _log_figures(self) -> str:
-        # vLLM's own time in the refit, and how much of it came after the last buffer arrived.
-        return f" vllm_load_s={self._vllm_load_s:.6f} vllm_wait_s={self._vllm_wait_s:.6f}"
+        # Its ``engine`` figures: vLLM's own time in the refit, its loader calls, and how long
+        # the last buffer waited for vLLM's loads.
+        return self._backend_state(lambda backend: backend.last_telemetry)
 
     def _finish(self) -> None:
         self._llm.finish_weight_update()
