@@ -22,11 +22,12 @@ buffers arrive faster than vLLM loads them, the loads catch up in a few large ca
 one call per buffer.
 
 vLLM's load is mostly Python, so the two threads share the GIL, and the loading thread holds it
-most of the time. Each time the receiving thread returns from a wait it needs the GIL back, and
-the interpreter makes a thread that wants it wait its switch interval (5 ms by default) before
-taking it from a busy one: per buffer, that held the transport back more than the transfer
-took. While loads are queued or running, the switch interval is therefore
-:data:`SWITCH_INTERVAL_S`; the process's own comes back when the pipeline is drained.
+most of the time. Each time the receiving thread returns from a wait it needs the GIL back
+(several times per buffer), and the interpreter makes a thread that wants it wait its switch
+interval (5 ms by default) before taking it from a busy one. While loads are queued or running,
+the switch interval is therefore :data:`SWITCH_INTERVAL_S`; the process's own comes back when the
+pipeline is drained. (Measured on 2x H200 together with receiver waits that give the GIL up:
+docs/benchmarks.md, "The refit into vLLM".)
 """
 
 from __future__ import annotations
