@@ -153,6 +153,11 @@ def test_vllm_refit_many_small_buffers_bitwise(llama, ipc_dir):
                 outcome = refit(trainer, transfer, version=version)
                 assert outcome["trainer"].verified is True, outcome
                 assert outcome["engine"].verified is True, outcome
+                # vLLM's loader figures travel in the telemetry: merged calls, at most one per
+                # buffer.
+                figures = outcome["engine"].engine
+                assert 1 <= figures["load_calls"] <= trainer.refitter.plan.num_buffers, figures
+                assert figures["load_s"] > 0 and figures["wait_s"] >= 0, figures
                 assert transfer.weight_version == version
                 assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
                 staged_at.append(staging_address(llm))

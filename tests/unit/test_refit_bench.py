@@ -24,7 +24,7 @@ from mcore_refit.bench.results import (
     transport_result,
 )
 from mcore_refit.config import ConfigError, ParallelConfig, load_config
-from mcore_refit.refit import RefitTimeout
+from mcore_refit.refit import RefitTelemetry, RefitTimeout
 from mcore_refit.refit.config import RefitConfig
 
 TP1 = ParallelConfig()
@@ -240,6 +240,26 @@ def test_the_fold_names_a_failed_receivers_root_failure_first():
     result = transport_result("transport_alone", _Plan(), [], telemetry, verified=False,
                               device="cpu", error=error)
     assert result.error == error and result.refit_s == []
+
+
+def test_the_receiving_engines_own_figures_are_folded_into_their_medians():
+    """vLLM's loader figures (telemetry's ``engine``) reach the bench line as medians; an
+    engine without any (the tensor engine) leaves the field empty."""
+    def receiver(load_s: float, calls: int, engine: bool = True) -> dict:
+        telemetry = RefitTelemetry(role="receiver", transport="colocated", refit_index=0,
+                                   device="cpu", num_tensors=1, num_buffers=6, payload_bytes=1)
+        if engine:
+            telemetry.engine = {"load_s": load_s, "load_calls": calls, "wait_s": load_s / 2}
+        return telemetry.as_dict()
+
+    rows = [receiver(0.09, 3), receiver(0.07, 2), receiver(0.08, 2)]
+    result = transport_result("engine", _Plan(), [], rows, verified=True, device="cpu",
+                              error=None)
+    assert result.receiver_engine == {"load_calls": 2, "load_s": 0.08, "wait_s": 0.04}
+    assert result.as_dict()["receiver_engine"] == result.receiver_engine
+    plain = transport_result("engine", _Plan(), [], [receiver(0, 0, engine=False)],
+                             verified=True, device="cpu", error=None)
+    assert plain.receiver_engine == {}
 
 
 def test_rows_out_of_step_are_reported_after_the_root_failure_never_raised():
