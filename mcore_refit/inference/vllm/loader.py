@@ -56,14 +56,14 @@ class VllmModelLoader:
         # This refit's seconds inside vLLM's loader (the reload's set-up, its layer processing
         # and finalisation included), and those the last buffer waited for loads still running
         # when it arrived.
-        self.vllm_load_s = 0.0
-        self.vllm_wait_s = 0.0
+        self._load_s = 0.0
+        self._wait_s = 0.0
 
     def figures(self) -> dict[str, float]:
         """The last refit's figures inside vLLM: seconds in its loader (set-up, loads and
         finalisation), calls into its ``load_weights``, seconds the last buffer waited."""
-        return {"load_s": round(self.vllm_load_s, 6), "load_calls": self._pipeline.load_calls,
-                "wait_s": round(self.vllm_wait_s, 6)}
+        return {"load_s": round(self._load_s, 6), "load_calls": self._pipeline.load_calls,
+                "wait_s": round(self._wait_s, 6)}
 
     @property
     def staging_bytes(self) -> int:
@@ -86,7 +86,7 @@ class VllmModelLoader:
         self._reloading = True
         self._timeout_s = timeout_s
         self._pipeline.reset_timing()
-        self.vllm_load_s = self.vllm_wait_s = 0.0
+        self._load_s = self._wait_s = 0.0
         if self._staging is not None:
             self._staging.begin()
         model = self._model
@@ -192,9 +192,9 @@ class VllmModelLoader:
             raise  # a load still runs on the model: finalising now would race it
         except Exception as error:
             failure = error
-        self.vllm_wait_s = time.perf_counter() - started
+        self._wait_s = time.perf_counter() - started
         finalized = time.perf_counter()
         finalize_layerwise_reload(self._model, self._model_config)
-        self.vllm_load_s = self._pipeline.load_s + time.perf_counter() - finalized
+        self._load_s = self._pipeline.load_s + time.perf_counter() - finalized
         if failure is not None and raise_failure:
             raise failure
