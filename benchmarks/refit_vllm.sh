@@ -7,6 +7,8 @@
 # digests of what arrived, and every vLLM parameter against vLLM's plain loader):
 #   vllm_non_colocated  trainer rank on GPU0 -> vLLM on GPU1, NCCL broadcast;
 #   vllm_colocated      vLLM in an engine process on the trainer's GPU, CUDA IPC;
+#                       (with verify and transport_alone it needs 97 GiB on that GPU: an H200;
+#                       on an 80 GB H100 the memory check refuses it at start-up);
 # each with the refit (engine), the same from tensors captured in memory (transport_alone) and
 # vLLM's own load of the same tensors (vllm_load_floor; target engine <= 1.2 x the floor); then
 #   tensors_non_colocated, tensors_colocated: the same refits into the transport's tensor engine.
@@ -17,6 +19,9 @@ BUDGET_S=${BUDGET_S:-530}
 source "$(dirname "$0")/common.sh"  # OUT absolute, cwd the repository root, step/summarize
 D=$OUT/vllm; mkdir -p "$D"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}${VLLM_SITE:-/tmp/vsite}"
+# The bench does not sample: without this vLLM's warm-up JIT-builds flashinfer's sampling kernels
+# (minutes on a fresh machine).
+export VLLM_USE_FLASHINFER_SAMPLER=0
 port=29790
 python3 -c 'import vllm; print("vllm", vllm.__version__)' > "$D/vllm_version.txt" 2>&1 \
   || { echo "vLLM does not import:"; tail -n 5 "$D/vllm_version.txt"; exit 1; }

@@ -7,11 +7,47 @@ tensors (gloo, shared memory) without relying on any global patching of ``torch.
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 
 import torch
 
 from mcore_refit.refit.errors import RefitError, RefitTimeout
+
+
+class _Completion(threading.Event):
+    """Set by the waiter thread when its event completed; ``error`` if synchronizing raised."""
+
+    error: BaseException | None = None
+
+
+class _EventWaiter:
+    """A daemon thread that blocks in ``event.synchronize()`` (without the GIL) for each event
+    handed to it, in order, and then sets that event's completion, so waits need no polling.
+    One per thread that waits (events of different streams may complete out of order)."""
+
+    def __init__(self) -> None:
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="mcore-refit-event-waiter", daemon=True).start()
+
+    def submit(self, event) -> _Completion:
+        done = _Completion()
+        self._pending.put((event, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            event, done = self._pending.get()
+            try:
+                event.synchronize()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                done.error = error
+            done.set()
+
+
+# The calling thread's waiter; dropped when a wait times out (its thread may never come back).
+_waiters = threading.local()
 
 
 class DeviceStreams:
@@ -52,34 +88,31 @@ class DeviceStreams:
     def host_wait(self, event: torch.cuda.Event | None, *, timeout_s: float, what: str) -> None:
         """Block the host until ``event`` completed, or raise :class:`RefitTimeout` naming ``what``.
 
-        Polls instead of ``event.synchronize()``, which cannot time out: spins for the first
-        couple of milliseconds (most waits in a refit are a buffer's copy or transfer, and a
-        sleep's wake-up latency would add to every one), then sleeps at most 200 µs at a time.
-        The spin gives the GIL up on every turn, so another thread of the process (vLLM's
-        loads beside a refit's receive) keeps running: a spin that held it took that thread
-        half its time.
+        ``event.synchronize()`` cannot time out, so it runs on a waiter thread (one per calling
+        thread) while the caller sleeps on a lock with a deadline, waking every
+        ``peers.interval_s`` to ask whether a peer died. Neither thread polls or holds the GIL
+        while the device works, so another thread of the process (vLLM's loads beside a refit's
+        receive) is not interrupted by the wait.
         """
         if event is None or event.query():
             return
-        start = time.monotonic()
-        deadline = start + timeout_s
-        spin_until = start + 2e-3
-        pause = 5e-5
-        check_at = start + (self.peers.interval_s if self.peers is not None else timeout_s)
-        while not event.query():
-            now = time.monotonic()
-            if now > deadline:
+        waiter = getattr(_waiters, "current", None)
+        if waiter is None:
+            waiter = _waiters.current = _EventWaiter()
+        done = waiter.submit(event)
+        deadline = time.monotonic() + timeout_s
+        interval = self.peers.interval_s if self.peers is not None else timeout_s
+        while not done.wait(min(interval, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline:
+                _waiters.current = None
                 raise RefitTimeout(f"timed out after {timeout_s:g} s waiting for {what}")
-            if now > check_at:
-                dead = self.peers.first_dead()
-                if dead is not None:
-                    raise RefitError(f"{dead} while this rank waited for {what}")
-                check_at = now + self.peers.interval_s
-            if now > spin_until:
-                time.sleep(pause)
-                pause = min(pause * 2, 2e-4)
-            else:
-                time.sleep(0)  # releases the GIL: a turn for any other thread
+            dead = self.peers.first_dead() if self.peers is not None else None
+            if dead is not None:
+                _waiters.current = None
+                raise RefitError(f"{dead} while this rank waited for {what}")
+        if done.error is not None:
+            raise RefitError(f"the device failed while this rank waited for {what}") \
+                from done.error
 
     def synchronize(self, *, timeout_s: float, what: str) -> None:
         """Wait for all work queued on this device's current stream (with a timeout)."""
