@@ -22,6 +22,10 @@ class _Completion(threading.Event):
     error: BaseException | None = None
 
 
+# How often an idle waiter thread checks that the thread it serves is still alive.
+_IDLE_CHECK_S = 5.0
+
+
 class _EventWaiter:
     """A daemon thread that blocks in ``event.synchronize()`` (without the GIL) for each event
     handed to it, in order, and then sets that event's completion, so waits need no polling.
@@ -29,6 +33,7 @@ class _EventWaiter:
 
     def __init__(self) -> None:
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._owner = threading.current_thread()
         threading.Thread(target=self._run, name="mcore-refit-event-waiter", daemon=True).start()
 
     def submit(self, event) -> _Completion:
@@ -38,7 +43,12 @@ class _EventWaiter:
 
     def _run(self) -> None:
         while True:
-            event, done = self._pending.get()
+            try:
+                event, done = self._pending.get(timeout=_IDLE_CHECK_S)
+            except queue.Empty:
+                if not self._owner.is_alive():
+                    return  # the thread it waited for has ended: nothing more can come
+                continue
             try:
                 event.synchronize()
             except BaseException as error:  # noqa: BLE001 - handed to the waiting thread

@@ -151,3 +151,29 @@ def test_waits_from_two_threads_do_not_queue_behind_each_other():
     assert not late.query()
     late.complete()
     waiting_late.join(timeout=5)
+
+
+def test_a_waiter_thread_ends_after_the_thread_it_served(monkeypatch):
+    """A thread that waited once and ended leaves no thread behind (the waiter checks its owner
+    whenever it has been idle for _IDLE_CHECK_S)."""
+    from mcore_refit.refit import streams as streams_module
+
+    monkeypatch.setattr(streams_module, "_IDLE_CHECK_S", 0.02)
+
+    def wait_once() -> None:
+        event = FakeEvent()
+        complete_after(event, 0.01)
+        DeviceStreams(torch.device("cpu")).host_wait(event, timeout_s=5, what="buffer 1")
+
+    def waiters() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate()
+                if thread.name == "mcore-refit-event-waiter" and thread.is_alive()]
+
+    before = set(waiters())
+    served = threading.Thread(target=wait_once)
+    served.start()
+    served.join()
+    deadline = time.monotonic() + 5
+    while set(waiters()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(waiters()) - before
