@@ -71,6 +71,7 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
         launch = None
         context = distributed.init_distributed(rank=rank, world_size=world_size,
                                                local_rank=local_rank, timeout_s=timeout_s)
+    sources = None
     try:
         control_timeout = job.refit.transport.start_timeout_s
         trainers = ControlGroup(context.control_group, timeout_s=control_timeout,
@@ -93,6 +94,8 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
                 job=job, launch=launch, control=control, trainers=trainers,
                 device=context.device, sources=sources))
     finally:
+        if sources is not None:
+            sources.close()
         distributed.shutdown()
     if results is None:
         return 0

@@ -106,7 +106,7 @@ class BenchConfig:
             if self.source != "megatron":
                 raise ConfigError(f"`engine`=vllm needs `source`=megatron (vLLM builds the "
                                   f"model's HF config), got {self.source!r}")
-            refused = [m for m in self.modes if m in ("naive", "shared_weights")]
+            refused = [m for m in self.modes if m == "naive"]
             if refused:
                 raise ConfigError(f"`modes` {refused} do not run with `engine`=vllm")
             floor = [m for m in self.modes if m in VLLM_MODES]

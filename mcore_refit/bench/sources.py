@@ -22,6 +22,7 @@ from mcore_refit.refit import (
     PlannedBuffer,
     RefitPlan,
     RefitSource,
+    SharedMemoryParameters,
     SourceLayout,
     TensorSpec,
 )
@@ -59,7 +60,14 @@ class BenchSources:
     bridge: BridgeExport | None
     rank: int
     model: object | None = None
+    # On CPU with the shared_weights mode: the model's parameters in a shared-memory file.
+    shared_parameters: SharedMemoryParameters | None = None
     _captured: Captured | None = None
+
+    def close(self) -> None:
+        """Remove the shared-memory file of the parameters, if any (idempotent)."""
+        if self.shared_parameters is not None:
+            self.shared_parameters.close()
 
     def for_mode(self, mode: str) -> RefitSource:
         """The source ``mode`` refits (or exports) from."""
@@ -96,9 +104,13 @@ def build_sources(job: RefitBenchJob, *, device: torch.device, control: ControlG
         return BenchSources(main=LocalSource(source), bridge=None, rank=control.rank)
     model = build_megatron(job.megatron, device=device)
     model.eval()
+    shared = None
+    if "shared_weights" in bench.modes and device.type == "cpu":
+        # The engine reads the parameters in place: on CPU they must be in a file it can map.
+        shared = SharedMemoryParameters(model.chunks, ipc_dir=job.refit.transport.ipc_dir)
     return BenchSources(main=ModelExport(model, control=control, device=device, prefer=prefer),
                         bridge=BridgeExport(model, control=control), rank=control.rank,
-                        model=model)
+                        model=model, shared_parameters=shared)
 
 
 def build_megatron(config: MegatronSourceConfig, *, device: torch.device):

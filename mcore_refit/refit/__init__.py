@@ -59,7 +59,10 @@ from mcore_refit.refit.transports.base import RefitReceiver, RefitSender
 from mcore_refit.refit.transports.collectives import GroupCollectives
 from mcore_refit.refit.transports.colocated.receiver import ColocatedReceiver
 from mcore_refit.refit.transports.colocated.sender import ColocatedSender
-from mcore_refit.refit.transports.colocated.shared_weights import SharedWeightsSender
+from mcore_refit.refit.transports.colocated.shared_weights import (
+    SharedMemoryParameters,
+    SharedWeightsSender,
+)
 from mcore_refit.refit.transports.non_colocated.placement import Placement
 from mcore_refit.refit.transports.non_colocated.receiver import NonColocatedReceiver
 from mcore_refit.refit.transports.non_colocated.sender import NonColocatedSender
@@ -97,6 +100,7 @@ __all__ = [
     "RefitTimeout",
     "Refitter",
     "Region",
+    "SharedMemoryParameters",
     "SharedWeightsSender",
     "SourceLayout",
     "StreamedSlots",

@@ -28,6 +28,7 @@ from mcore_refit.refit import (
     RefitError,
     Refitter,
     RefitTimeout,
+    SharedMemoryParameters,
     SharedWeightsSender,
     TensorDictEngine,
     TensorSpec,
@@ -378,6 +379,48 @@ def test_shared_weights_load_rows_that_lie_apart_as_runs_of_the_trainer_memory(i
     outcomes = finish_engine(engine, tmp_path / "engine.json")
     assert outcomes == [{"verified": True, "bitwise": True}] * 2
     assert (first.held_bytes, second.held_bytes, second.pack_s) == (0, 0, 0)
+
+
+@pytest.mark.timeout(90)
+def test_module_parameters_moved_to_shared_memory_are_refitted_in_place(ipc_dir, tmp_path):
+    """A module built in private memory: its parameters, moved into a shared-memory file, keep
+    their identity and values, and the engine loads them in place, after an in-place update too;
+    closing removes the file and its owner record."""
+    config = _options(ipc_dir)
+    module = torch.nn.Module()  # the scripted engine's weights (every dtype, 0-dim, empty)
+    names = {}
+    for name, tensor in SyntheticWeightSource(tiny_mixed_specs(), device=CPU, seed=SEED,
+                                              noncontiguous=True).iter_weights():
+        names[name.replace(".", "_")] = name
+        module.register_parameter(name.replace(".", "_"), torch.nn.Parameter(
+            tensor.clone(), requires_grad=tensor.is_floating_point()))
+    before = {name: bits(parameter).clone() for name, parameter in module.named_parameters()}
+    identities = {name: id(parameter) for name, parameter in module.named_parameters()}
+    shared = SharedMemoryParameters([module], ipc_dir=ipc_dir)
+    try:
+        assert {name: id(p) for name, p in module.named_parameters()} == identities
+        assert all(torch.equal(bits(p), before[name]) for name, p in module.named_parameters())
+        assert {p.untyped_storage().filename for p in module.parameters()} == {str(shared.path)}
+        source = TensorListSource([(names[n], p) for n, p in module.named_parameters()])
+        refitter = _shared_refitter(source, config, "cpu-moved")
+        engine = start_engine(refitter.sender.address, config, tmp_path / "engine.json",
+                              num_refits=2)
+        try:
+            telemetry = [refitter.refit(verify=True)]
+            with torch.no_grad():
+                _bump(source)  # as an optimizer step would: in place
+            telemetry.append(refitter.refit(verify=True))
+        finally:
+            refitter.close()
+        outcomes = finish_engine(engine, tmp_path / "engine.json")
+    finally:
+        shared.close()
+    assert outcomes == [{"ok": True, "verified": True, "refit_index": i, "bitwise": True}
+                        for i in range(2)]
+    assert [(t.verified, t.transport, t.held_bytes) for t in telemetry] == \
+        [(True, "colocated_weights", 0)] * 2
+    key = shared.path.name.rsplit(".", 1)[0]
+    assert not list(shared.path.parent.glob(f"{key}.*"))
 
 
 @pytest.mark.timeout(90)

@@ -9,6 +9,7 @@ loader), and here, independently, against the fused tensors the checkpoint's ten
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from mcore_refit.refit import (
     LocalSource,
     RefitError,
     Refitter,
+    SharedMemoryParameters,
+    SharedWeightsSender,
     plan_for_source,
 )
 from mcore_refit.refit.config import PlanConfig, TransportOptions
@@ -45,11 +48,25 @@ class Trainer:
     """The checkpoint's tensors as a one-rank source, refitted over IPC."""
 
     def __init__(self, path: Path, options: TransportOptions, *, plan: PlanConfig,
-                 device_id: str) -> None:
+                 device_id: str, own_tensors: bool = False) -> None:
         self.tensors = sorted(load_file(path / "model.safetensors").items())
+        self._shared = None
+        sender_class = ColocatedSender
+        if own_tensors:
+            # ipc_sharing: weights: vLLM's worker reads the trainer's own tensors, which on CPU
+            # must live in a shared-memory file.
+            module = torch.nn.Module()
+            for index, (_, tensor) in enumerate(self.tensors):
+                module.register_parameter(f"t{index}",
+                                          torch.nn.Parameter(tensor, requires_grad=False))
+            self._shared = SharedMemoryParameters([module], ipc_dir=options.ipc_dir)
+            self.tensors = [(name, parameter) for (name, _), parameter
+                            in zip(self.tensors, module.parameters(), strict=True)]
+            options = dataclasses.replace(options, ipc_sharing="weights")
+            sender_class = SharedWeightsSender
         source = LocalSource(TensorListSource(self.tensors))
-        sender = ColocatedSender(plan=plan_for_source(source, config=plan, device=CPU), device=CPU,
-                           options=options, cpu_device_id=device_id)
+        sender = sender_class(plan=plan_for_source(source, config=plan, device=CPU), device=CPU,
+                              options=options, cpu_device_id=device_id)
         self.refitter = Refitter(source=source, sender=sender)
         self.refitter.prepare()
         self.address = sender.address
@@ -77,6 +94,8 @@ class Trainer:
 
     def close(self) -> None:
         self.refitter.close()
+        if self._shared is not None:
+            self._shared.close()
 
 
 def refit(trainer: Trainer, transfer, *, version: int, verify: bool = True) -> dict:
@@ -164,6 +183,31 @@ def test_vllm_refit_many_small_buffers_bitwise(llama, ipc_dir):
     finally:
         trainer.close()
     assert len(set(staged_at)) == 1  # the staging is allocated once, not per refit
+
+
+def test_vllm_refit_reads_the_trainers_own_tensors_from_shared_memory(llama, ipc_dir):
+    """ipc_sharing: weights on CPU: the trainer's tensors, moved into a shared-memory file, go
+    into vLLM with no slots and no packing; bitwise, twice (the second after an in-place
+    update of the trainer's tensors)."""
+    from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+    path, llm = llama
+    trainer = Trainer(path, options(ipc_dir), plan=PlanConfig(slot_bytes=65536, num_slots=2),
+                      device_id="vllm-own", own_tensors=True)
+    try:
+        with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir)) as transfer:
+            transfer.init_weight_transfer_engine(ColocatedInitInfo(address=trainer.address))
+            for version in range(2):
+                trainer.bump(0.5 * version)
+                outcome = refit(trainer, transfer, version=version)
+                sent = outcome["trainer"]
+                assert (sent.verified, sent.transport, sent.held_bytes) == \
+                    (True, "colocated_weights", 0), outcome
+                assert outcome["engine"].verified is True, outcome
+                assert outcome["engine"].engine["load_calls"] == 1
+                assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
+    finally:
+        trainer.close()
 
 
 def test_vllm_refit_catches_views_kept_across_a_reused_slot(llama, ipc_dir, monkeypatch):

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
+import uuid
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +34,12 @@ from mcore_refit.refit.source import Piecewise, RefitPass
 from mcore_refit.refit.specs import Region, TensorSpec
 from mcore_refit.refit.telemetry import RefitTelemetry
 from mcore_refit.refit.transports.colocated.sender import ColocatedSender
-from mcore_refit.refit.transports.ipc_files import describe_storage
+from mcore_refit.refit.transports.ipc_files import (
+    claim_owner,
+    create_shared_cpu_slot,
+    describe_storage,
+    private_runtime_dir,
+)
 from mcore_refit.refit.transports.wire import (
     Ack,
     Hello,
@@ -43,6 +50,9 @@ from mcore_refit.refit.transports.wire import (
     WeightsReady,
     to_fields,
 )
+
+# Offsets of parameters in the shared-memory file (bytes): enough for any dtype.
+_ALIGNMENT = 64
 
 
 class _Unshareable(RefitError):
@@ -307,3 +317,52 @@ def view_in(storage: torch.UntypedStorage, offset: int, where: SharedTensor, spe
                          f"storage of {storage.nbytes()} bytes")
     return torch.empty(0, dtype=spec.dtype, device=storage.device).set_(
         storage, offset, tuple(where.shape), tuple(where.stride))
+
+
+class SharedMemoryParameters:
+    """The CPU parameters of ``modules`` moved into one shared-memory file of the transport's
+    private directory (``ipc_dir`` as in :class:`~mcore_refit.refit.TransportOptions`).
+
+    On CPU, :class:`SharedWeightsSender` shares only memory that another process can map: a
+    parameter of a module built the usual way lives in private memory and is refused. Moved here,
+    each parameter keeps its identity and value (its ``data`` becomes a view of the file), so an
+    optimizer or export keeps working on it, and the engine reads it in place. CUDA parameters
+    need none of this. The file is claimed like the transport's slots (an owner record), so a
+    process that dies leaves nothing a later sender's sweep does not remove. :meth:`close`
+    removes it (the memory stays valid while mapped).
+    """
+
+    def __init__(self, modules: Sequence[torch.nn.Module], *, ipc_dir: str | None) -> None:
+        parameters: dict[int, torch.nn.Parameter] = {}
+        for module in modules:
+            for name, parameter in module.named_parameters():
+                if parameter.device.type != "cpu":
+                    raise ValueError(f"parameter {name!r} is on {parameter.device}: only CPU "
+                                     "parameters move to shared memory (CUDA memory is shared "
+                                     "as it is)")
+                parameters.setdefault(id(parameter), parameter)
+        offsets, end = [], 0
+        for parameter in parameters.values():
+            offsets.append(end)
+            end += -(-parameter.numel() * parameter.element_size() // _ALIGNMENT) * _ALIGNMENT
+        directory = private_runtime_dir(ipc_dir)
+        key = f"parameters-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._owner = claim_owner(directory, key)
+        self.path = directory / f"{key}.slot0"
+        self.nbytes = end
+        try:
+            memory = create_shared_cpu_slot(self.path, max(end, 1))
+            for parameter, offset in zip(parameters.values(), offsets, strict=True):
+                nbytes = parameter.numel() * parameter.element_size()
+                shared = memory[offset:offset + nbytes].view(parameter.dtype).view(
+                    parameter.shape)
+                shared.copy_(parameter.data)
+                parameter.data = shared
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Remove the file and its owner record (idempotent)."""
+        self.path.unlink(missing_ok=True)
+        self._owner.release()
