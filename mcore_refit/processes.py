@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -181,6 +182,11 @@ def exit_after(main: Callable[[], int]) -> NoReturn:
         logging.shutdown()
         os._exit(interrupted.exit_code)
     except BaseException:
+        # The report comes first: the launcher's SIGTERM after this failure (or another rank's)
+        # may arrive while the traceback is being formatted, after the stop signals' handlers
+        # are gone, and would end the process without a line. It is leaving anyway.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()

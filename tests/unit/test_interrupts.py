@@ -174,6 +174,30 @@ def test_a_rank_stops_when_its_launcher_dies(tmp_path):
                                   f"{launcher.pid} on {socket.gethostname()}) died\n")
 
 
+FAILING_RANK = """
+    import os, signal
+    from mcore_refit.processes import exit_after
+
+    class PeerGone(RuntimeError):
+        def __str__(self):
+            # The launcher's SIGTERM lands while the failure is being reported.
+            os.kill(os.getpid(), signal.SIGTERM)
+            return "trainer rank 1 (pid 4242) died"
+
+    def main():
+        print("ready", os.getpid(), flush=True)
+        raise PeerGone()
+
+    exit_after(main)
+"""
+
+
+def test_a_failed_rank_reports_its_failure_even_if_stopped_while_reporting(tmp_path):
+    process, _, stderr = run_rank(FAILING_RANK, tmp_path)
+    assert process.wait(timeout=30) == 1
+    assert stderr.read_text().splitlines()[-1] == "PeerGone: trainer rank 1 (pid 4242) died"
+
+
 TRAINER = """
     import os, sys, time
     from mcore_refit.inference.process import EngineProcess
