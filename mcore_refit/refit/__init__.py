@@ -4,7 +4,7 @@ This module is the package's front: code outside ``mcore_refit/refit/`` imports 
 (a lint rule enforces it). The map of the modules behind it is in ``README.md``.
 """
 
-from mcore_refit.refit.buffers import StreamedSlots
+from mcore_refit.refit.buffers import StreamedSlots, packed_offsets, typed_view
 from mcore_refit.refit.checksum import (
     DigestRecorder,
     TensorDigester,
@@ -116,6 +116,7 @@ __all__ = [
     "create_sender",
     "init_info_from_dict",
     "mismatched_names",
+    "packed_offsets",
     "plan_for_source",
     "plan_from_json",
     "receiver_class",
@@ -125,5 +126,6 @@ __all__ = [
     "spec_to_json",
     "transport_for",
     "transport_names",
+    "typed_view",
     "verify_engine_weights",
 ]

@@ -21,7 +21,7 @@ import torch
 
 from mcore_refit.refit.checksum import buffer_checksum
 from mcore_refit.refit.errors import RefitError
-from mcore_refit.refit.plan import HEADER_BYTES, RefitPlan
+from mcore_refit.refit.plan import HEADER_BYTES, RefitPlan, _align_up
 from mcore_refit.refit.source import Piecewise, SourceReader
 from mcore_refit.refit.specs import TensorSpec
 from mcore_refit.refit.streams import DeviceStreams
@@ -195,7 +195,7 @@ class BufferSlots:
         if views is None:
             buffer = self.plan.buffers[buffer_index]
             slot = self.slot_of(buffer_index)
-            views = [_typed_view(slot, t.offset_bytes, t.spec.shape, t.spec.dtype)
+            views = [typed_view(slot, t.offset_bytes, t.spec.shape, t.spec.dtype)
                      for t in self.plan.tensors_of(buffer)]
             self._views[buffer_index] = views
         return views
@@ -293,13 +293,28 @@ class StreamedSlots:
         self.moved = [streams.new_event() for _ in range(count)]
 
 
-def _typed_view(slot: torch.Tensor, offset: int, shape: tuple[int, ...],
-                dtype: torch.dtype) -> torch.Tensor:
+def typed_view(memory: torch.Tensor, offset: int, shape: Sequence[int],
+               dtype: torch.dtype) -> torch.Tensor:
+    """The ``dtype`` tensor of ``shape`` at byte ``offset`` of ``memory`` (flat ``uint8``)."""
     numel = 1
     for dim in shape:
         numel *= dim
     nbytes = numel * dtype.itemsize
-    return slot[offset:offset + nbytes].view(dtype).view(shape)
+    return memory[offset:offset + nbytes].view(dtype).view(tuple(shape))
+
+
+def packed_offsets(layout: Sequence[tuple[Sequence[int], torch.dtype]], *,
+                   alignment: int) -> tuple[list[int], int]:
+    """Byte offsets of ``(shape, dtype)`` tensors laid out one after another in one allocation,
+    each at a multiple of ``alignment``, and the bytes the allocation needs."""
+    offsets, end = [], 0
+    for shape, dtype in layout:
+        offsets.append(end)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        end = _align_up(end + numel * dtype.itemsize, alignment)
+    return offsets, end
 
 
 def write_header(slots: BufferSlots, buffer_index: int, *, refit_index: int,

@@ -199,3 +199,20 @@ def test_pieces_pack_from_runs_and_load_into_their_regions():
         engine.load_weight_pieces([("w", torch.zeros(4, 2), specs[0].region)])
     with pytest.raises(ValueError, match="the pieces of 'w' cover 4 of its 8 along dim 0"):
         build_plan(specs[:1], slot_bytes=4096, num_slots=1)
+
+
+def test_packed_offsets_start_every_tensor_at_the_alignment_and_views_hold_them_apart():
+    from mcore_refit.refit import packed_offsets, typed_view
+
+    layout = [((3, 5), torch.float32), ((), torch.bfloat16), ((0, 4), torch.float32),
+              ((7,), torch.int64)]
+    offsets, nbytes = packed_offsets(layout, alignment=64)
+    # 60 bytes, 2 bytes, nothing, 56 bytes: each rounded up to 64 (the empty one takes none).
+    assert (offsets, nbytes) == ([0, 64, 128, 128], 192)
+    memory = torch.zeros(nbytes, dtype=torch.uint8)
+    views = [typed_view(memory, offset, shape, dtype)
+             for (shape, dtype), offset in zip(layout, offsets, strict=True)]
+    assert [(tuple(v.shape), v.dtype) for v in views] == [(s, d) for s, d in layout]
+    for value, view in enumerate(views, start=1):
+        view.fill_(value)
+    assert views[0].eq(1).all() and views[1].item() == 2 and views[3].eq(4).all()

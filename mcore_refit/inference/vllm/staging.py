@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mcore_refit.refit import NamedTensorEngine, RefitPlan, Region
+from mcore_refit.refit import NamedTensorEngine, RefitPlan, Region, packed_offsets, typed_view
 
 # Offsets of tensors in the staging allocation (bytes): enough for any dtype and vector loads.
 _ALIGNMENT = 64
@@ -39,17 +39,13 @@ class RefitStaging:
             if spec.region is not None:
                 shape[spec.region.dim] = spec.region.full
             shapes.setdefault(spec.name, (torch.Size(shape), spec.dtype))
-        offsets, end = {}, 0
-        for name, (shape, dtype) in shapes.items():
-            offsets[name] = end
-            end += -(-shape.numel() * dtype.itemsize // _ALIGNMENT) * _ALIGNMENT
+        offsets, end = packed_offsets(list(shapes.values()), alignment=_ALIGNMENT)
         self.fingerprint = plan.fingerprint
         self.nbytes = end
         self._memory = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
-        self._tensors = {
-            name: self._memory[offsets[name]:offsets[name] + shape.numel() * dtype.itemsize]
-            .view(dtype).view(shape)
-            for name, (shape, dtype) in shapes.items()}
+        self._tensors = {name: typed_view(self._memory, offset, shape, dtype)
+                         for (name, (shape, dtype)), offset in zip(shapes.items(), offsets,
+                                                                   strict=True)}
         # Checked, batched copies into the staged tensors (by name, pieces into their regions).
         self._copies = NamedTensorEngine(self._tensors, description="the refit's staging")
         self._missing: dict[str, int] = {}

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mcore_refit.refit.buffers import packed_offsets, typed_view
 from mcore_refit.refit.checksum import DigestRecorder
 from mcore_refit.refit.errors import RefitError
 from mcore_refit.refit.plan import RefitPlan
@@ -341,10 +342,8 @@ class SharedMemoryParameters:
                                      "parameters move to shared memory (CUDA memory is shared "
                                      "as it is)")
                 parameters.setdefault(id(parameter), parameter)
-        offsets, end = [], 0
-        for parameter in parameters.values():
-            offsets.append(end)
-            end += -(-parameter.numel() * parameter.element_size() // _ALIGNMENT) * _ALIGNMENT
+        offsets, end = packed_offsets([(p.shape, p.dtype) for p in parameters.values()],
+                                      alignment=_ALIGNMENT)
         directory = private_runtime_dir(ipc_dir)
         key = f"parameters-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._owner = claim_owner(directory, key)
@@ -353,9 +352,7 @@ class SharedMemoryParameters:
         try:
             memory = create_shared_cpu_slot(self.path, max(end, 1))
             for parameter, offset in zip(parameters.values(), offsets, strict=True):
-                nbytes = parameter.numel() * parameter.element_size()
-                shared = memory[offset:offset + nbytes].view(parameter.dtype).view(
-                    parameter.shape)
+                shared = typed_view(memory, offset, parameter.shape, parameter.dtype)
                 shared.copy_(parameter.data)
                 parameter.data = shared
         except BaseException:
