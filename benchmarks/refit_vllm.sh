@@ -6,7 +6,8 @@
 # real weights through vLLM's loader); each mode's last refit verified inside vLLM (the trainer's
 # digests of what arrived, and every vLLM parameter against vLLM's plain loader):
 #   vllm_non_colocated  trainer rank on GPU0 -> vLLM on GPU1, NCCL broadcast;
-#   vllm_colocated      vLLM in an engine process on the trainer's GPU, CUDA IPC;
+#   vllm_colocated      vLLM in an engine process on the trainer's GPU, CUDA IPC (slots, and
+#                       shared_weights: vLLM's worker reads the trainer's own tensors);
 #                       (with verify and transport_alone it needs 97 GiB on that GPU: an H200;
 #                       on an 80 GB H100 the memory check refuses it at start-up);
 # each with the refit (engine), the same from tensors captured in memory (transport_alone) and
@@ -34,7 +35,8 @@ bench() {  # bench NAME LIMIT NPROC [overrides...]: the Megatron Llama-3-8B pres
 VLLM='bench.modes=[engine,transport_alone,vllm_load_floor]'
 TENSORS='bench.modes=[raw_link,engine,transport_alone]'
 bench vllm_non_colocated 200 2 bench.engine=vllm "$VLLM"
-bench vllm_colocated 200 1 refit.mode=colocated bench.engine=vllm "$VLLM"
+bench vllm_colocated 200 1 refit.mode=colocated bench.engine=vllm \
+  'bench.modes=[engine,shared_weights,transport_alone,vllm_load_floor]'
 bench tensors_non_colocated 60 2 "$TENSORS"
 bench tensors_colocated 60 1 refit.mode=colocated "$TENSORS"
 cat "$D/rc.txt"; echo "total ${SECONDS}s"

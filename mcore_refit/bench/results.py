@@ -30,6 +30,8 @@ class ModeResult:
     num_buffers: int | None = None
     num_sources: int | None = None
     held_bytes: int | None = None
+    # Memory a receiving rank holds for refits (its slots; vLLM: the staging), the largest.
+    receiver_held_bytes: int | None = None
     largest_tensor_bytes: int | None = None
     phases: dict[str, float] = field(default_factory=dict)
     receiver_phases: dict[str, float] = field(default_factory=dict)
@@ -91,6 +93,7 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     result.peak_extra_bytes = _max(t.peak_extra_bytes for t in sender)
     result.new_allocations = _sum(t.new_allocations for t in sender)
     result.new_segments = _sum(t.new_segments for t in sender)
+    result.receiver_held_bytes = _max(t["held_bytes"] for t in receiver)
     result.receiver_peak_extra_bytes = _max(t["peak_extra_bytes"] for t in receiver)
     result.receiver_new_allocations = _sum(t["new_allocations"] for t in receiver)
     result.receiver_new_segments = _sum(t["new_segments"] for t in receiver)
@@ -201,7 +204,7 @@ def _refit_checks(found: dict[str, ModeResult | None], *, link: ModeResult | Non
                        targets.refit_over_transport),
             "refit_s": round(engine.refit_s_median, 6),
             "transport_s": round(transport.refit_s_median, 6)}
-    for name in ("engine", "transport_alone"):
+    for name in ("engine", "transport_alone", "shared_weights"):
         refit = found[name]
         if vllm_floor is not None and refit is not None:
             checks[f"{name}_vs_vllm_load_floor"] = {

@@ -1,7 +1,9 @@
 """What a receiving engine must provide (:class:`WeightLoader`), and reference engines.
 
 Transports hand every received buffer to the engine with :func:`load_into`: whole tensors through
-``load_weights``, tensor-parallel pieces through ``load_weight_pieces``.
+``load_weights``, tensor-parallel pieces through ``load_weight_pieces``. A transport whose tensors
+stay valid for the whole refit (the trainer's own memory, shared) passes ``in_place=True``: an
+engine with ``load_weights_in_place`` may then read them without a copy of its own.
 
 :class:`NamedTensorEngine` is the ``load_weights`` / ``get_weight`` convention over a mapping of
 name → tensor. :class:`HFModelEngine` applies it to a Hugging Face ``transformers`` model (its
@@ -39,12 +41,22 @@ class WeightLoader(Protocol):
         ...
 
 
-def load_into(engine: WeightLoader, entries: Sequence[tuple[TensorSpec, torch.Tensor]]) -> None:
+def load_into(engine: WeightLoader, entries: Sequence[tuple[TensorSpec, torch.Tensor]], *,
+              in_place: bool = False) -> None:
     """Hand one buffer's tensors to ``engine``: whole ones through ``load_weights``, pieces
-    through ``load_weight_pieces``."""
+    through ``load_weight_pieces``.
+
+    ``in_place``: ``entries`` are every tensor of the refit, valid and unchanged until this
+    returns (not a buffer refilled after it). An engine with ``load_weights_in_place(wholes,
+    pieces)`` then gets them in one call and may load from them without copying them first; it
+    must have finished reading them when that call returns."""
     wholes = [(spec.name, view) for spec, view in entries if spec.region is None]
     pieces = [(spec.name, view, spec.region) for spec, view in entries
               if spec.region is not None]
+    load_in_place = getattr(engine, "load_weights_in_place", None) if in_place else None
+    if load_in_place is not None:
+        load_in_place(wholes, pieces)
+        return
     if wholes:
         engine.load_weights(wholes)
     if pieces:

@@ -12,8 +12,9 @@ they do not add up to ``total_s``. Meanings:
 - ``wait_s``: host time blocked on a buffer slot, an arrival or an ACK;
 - ``checksum_s`` / ``verify_s``: time in per-buffer checksums / the post-refit equality check;
 - ``engine``: receiver only, the engine's own figures of the refit where it has them (vLLM:
-  ``load_s``, seconds in its loader; ``load_calls``, calls into it; ``wait_s``, seconds the last
-  buffer waited for its loads);
+  ``load_s``, seconds in its loader; ``setup_s`` / ``finalize_s``, those of the reload's set-up
+  and finalisation; ``load_calls``, calls into it; ``wait_s``, seconds the last buffer waited
+  for its loads);
 - ``payload_bytes``: the tensors' own bytes the refit delivered;
 - ``held_bytes``: device memory this rank holds for refits (its slots, mapped peer slots not
   counted; the export's shard exchange buffers where it has them);

@@ -179,3 +179,35 @@ def test_megatron_moe_ep2_each_expert_rank_sends_its_experts():
         assert modes[mode]["num_sources"] == 2
     assert modes["bridge_export"]["num_tensors"] == 135
     assert modes["bridge_export"]["num_sources"] == 1
+
+
+@pytest.mark.timeout(300)
+def test_vllm_colocated_refits_from_buffers_and_from_the_trainers_own_memory(tmp_path, ipc_dir):
+    """The refit into vLLM (bench.engine=vllm) colocated: from slots, and from the trainer's own
+    parameters (shared_weights: Megatron's fused q/k/v arrive as pieces, assembled in a staging
+    held for them alone; every other tensor goes to vLLM uncopied), each verified inside vLLM,
+    against vLLM's own load of the same tensors."""
+    from mcore_refit.tiny import VLLM_SIZES, TinyModelSpec, write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "tiny-llama", TinyModelSpec(**VLLM_SIZES))
+    result = run_script(RECIPE, "--config", str(REPO_ROOT / "configs/refit_bench_vllm_cpu.yaml"),
+                        f"megatron.hf_path={model}", "refit.mode=colocated",
+                        "bench.num_refits=2", "bench.num_warmup=1",
+                        f"refit.transport.ipc_dir={ipc_dir}",
+                        "bench.modes=[engine, shared_weights, vllm_load_floor]", nproc=1,
+                        timeout_s=280)
+    *lines, summary = [json.loads(line) for line in result.stdout.splitlines()
+                       if line.startswith("{")]
+    modes = {line["mode"]: line for line in lines}
+    assert list(modes) == ["engine", "shared_weights", "vllm_load_floor"]
+    assert summary["all_verified"] is True
+    for mode in ("engine", "shared_weights"):
+        assert modes[mode]["error"] is None and modes[mode]["verified"] is True, modes[mode]
+        assert modes[mode]["receiver_engine"]["load_calls"] >= 1
+        assert f"{mode}_vs_vllm_load_floor" in summary["targets"]
+    # vLLM's loader called with the whole tensors, then with the assembled ones (merged into one
+    # call if the first had not started; a median over the refits); staged: only q, k and v.
+    assert 1 <= modes["shared_weights"]["receiver_engine"]["load_calls"] <= 2
+    staged = sum(4 * 128 * 128 + 2 * 4 * 64 * 128 for _ in range(4))  # float32 q + k + v
+    assert modes["shared_weights"]["receiver_held_bytes"] == staged
+    assert modes["engine"]["receiver_held_bytes"] > modes["engine"]["payload_bytes"]

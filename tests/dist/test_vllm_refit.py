@@ -187,8 +187,9 @@ def test_vllm_refit_many_small_buffers_bitwise(llama, ipc_dir):
 
 def test_vllm_refit_reads_the_trainers_own_tensors_from_shared_memory(llama, ipc_dir):
     """ipc_sharing: weights on CPU: the trainer's tensors, moved into a shared-memory file, go
-    into vLLM with no slots and no packing; bitwise, twice (the second after an in-place
-    update of the trainer's tensors)."""
+    into vLLM with no slots, no packing and no staged copy; bitwise, twice (the second after an
+    in-place update of the trainer's tensors). Once the refit returned, vLLM holds nothing of
+    the trainer's memory: changing it leaves vLLM's parameters as refitted."""
     from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
 
     path, llm = llama
@@ -204,8 +205,14 @@ def test_vllm_refit_reads_the_trainers_own_tensors_from_shared_memory(llama, ipc
                 assert (sent.verified, sent.transport, sent.held_bytes) == \
                     (True, "colocated_weights", 0), outcome
                 assert outcome["engine"].verified is True, outcome
-                assert outcome["engine"].engine["load_calls"] == 1
+                assert outcome["engine"].engine["load_calls"] == 1  # whole tensors only
+                # Whole tensors only: vLLM read them where they are, nothing was staged.
+                assert outcome["engine"].held_bytes == 0, outcome
                 assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
+            refitted = {name: tensor.clone()
+                        for name, tensor in trainer.expected_vllm_parameters().items()}
+            trainer.bump(1.0)
+            assert vllm_mismatches(llm, refitted) == []
     finally:
         trainer.close()
 

@@ -28,8 +28,11 @@ def test_vllm_summary_checks_the_refit_against_vllms_own_load():
                           verified=True)
 
     summary = summarize([row("engine", 1.1), row("transport_alone", 1.3),
-                         row("vllm_load_floor", 1.0)], source="megatron", placement="colocated",
-                        targets=TargetsConfig(), alignment_bytes=256)
+                         row("shared_weights", 1.15), row("vllm_load_floor", 1.0)],
+                        source="megatron", placement="colocated", targets=TargetsConfig(),
+                        alignment_bytes=256)
     assert summary["targets"]["engine_vs_vllm_load_floor"] == {
         "ratio": 1.1, "target": 1.2, "met": True, "refit_s": 1.1, "floor_s": 1.0}
     assert summary["targets"]["transport_alone_vs_vllm_load_floor"]["met"] is False
+    assert summary["targets"]["shared_weights_vs_vllm_load_floor"] == {
+        "ratio": 1.15, "target": 1.2, "met": True, "refit_s": 1.15, "floor_s": 1.0}

@@ -15,6 +15,9 @@ tensor is first copied into :class:`~mcore_refit.inference.vllm.staging.RefitSta
 pieces from tensor-parallel trainer ranks are assembled too; vLLM sees only staged tensors. The
 copy is all that happens in the receiver's loop: vLLM's load of the staged tensors runs on a
 :class:`~mcore_refit.inference.vllm.pipeline.LoadPipeline` thread while the next buffers arrive.
+A refit from the trainer's own memory (``ipc_sharing: weights``) comes whole and stays valid
+until the refit's reply: :meth:`VllmModelLoader.load_weights_in_place` hands those tensors to
+vLLM uncopied (only tensors in pieces are assembled) and finishes the reload before it returns.
 """
 
 from __future__ import annotations
@@ -50,20 +53,27 @@ class VllmModelLoader:
         self._make_reference = reference
         self._reference: ReferenceModel | None = None
         self._staging: RefitStaging | None = None
+        # The last refit's tensors by name, when it was loaded in place (the trainer's memory,
+        # and the staged tensors that came in pieces); None after a refit from buffers.
+        self._in_place: dict[str, torch.Tensor] | None = None
         self._reloading = False
         self._timeout_s = 0.0
         self._pipeline = LoadPipeline(model.load_weights, device=self._device)
         # This refit's seconds inside vLLM's loader (the reload's set-up, its layer processing
-        # and finalisation included), and those the last buffer waited for loads still running
-        # when it arrived.
+        # and finalisation included), those of the set-up and of the finalisation alone, and
+        # those the last buffer waited for loads still running when it arrived.
         self._load_s = 0.0
+        self._setup_s = 0.0
+        self._finalize_s = 0.0
         self._wait_s = 0.0
 
     def figures(self) -> dict[str, float]:
         """The last refit's figures inside vLLM: seconds in its loader (set-up, loads and
-        finalisation), calls into its ``load_weights``, seconds the last buffer waited."""
-        return {"load_s": round(self._load_s, 6), "load_calls": self._pipeline.load_calls,
-                "wait_s": round(self._wait_s, 6)}
+        finalisation), of the reload's set-up and of its finalisation, calls into its
+        ``load_weights``, seconds the last buffer waited."""
+        return {"load_s": round(self._load_s, 6), "setup_s": round(self._setup_s, 6),
+                "finalize_s": round(self._finalize_s, 6),
+                "load_calls": self._pipeline.load_calls, "wait_s": round(self._wait_s, 6)}
 
     @property
     def staging_bytes(self) -> int:
@@ -86,12 +96,18 @@ class VllmModelLoader:
         self._reloading = True
         self._timeout_s = timeout_s
         self._pipeline.reset_timing()
-        self._load_s = self._wait_s = 0.0
+        self._load_s = self._setup_s = self._finalize_s = self._wait_s = 0.0
+        self._in_place = None
         if self._staging is not None:
             self._staging.begin()
         model = self._model
-        self._pipeline.run(lambda: initialize_layerwise_reload(model),
-                           what="setting up vLLM's layerwise reload")
+
+        def set_up() -> None:
+            started = time.perf_counter()
+            initialize_layerwise_reload(model)
+            self._setup_s = time.perf_counter() - started
+
+        self._pipeline.run(set_up, what="setting up vLLM's layerwise reload")
 
     def wait_until_set_up(self) -> None:
         """Wait (at most ``timeout_s`` of :meth:`begin`) until :meth:`begin`'s set-up of the
@@ -131,15 +147,60 @@ class VllmModelLoader:
     def load_weight_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
         self._feed(self._staged().put_pieces(pieces))
 
+    def load_weights_in_place(self, weights: Iterable[tuple[str, torch.Tensor]],
+                              pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
+        """Load a whole refit whose tensors stay valid and unchanged until this returns (the
+        trainer's own memory, shared): whole tensors go to vLLM as they are, with no copy, and
+        vLLM starts on them while tensors in pieces are assembled in a staging held for them
+        alone. vLLM's loads and the reload are finished when this returns: nothing keeps a view
+        of the tensors afterwards."""
+        if not self._reloading:
+            raise RuntimeError("weights arrived outside a refit (call begin() first)")
+        plan = self._plan_of()
+        if plan is None:
+            raise RuntimeError("weights arrived before the receiver has a plan")
+        weights, pieces = list(weights), list(pieces)
+        piecewise = frozenset(name for name, _, _ in pieces)
+        arrived = dict(weights)
+        missing = [name for name in plan.names if name not in arrived and name not in piecewise]
+        repeated = len(weights) - len(arrived) + len(piecewise & arrived.keys())
+        if missing or repeated:
+            raise ValueError(f"a refit loaded in place must bring every planned tensor once: "
+                             f"{len(missing)} missing ({missing[:5]}), {repeated} repeated")
+        self._in_place = arrived
+        if weights:
+            self._pipeline.submit(weights)
+        if not pieces:
+            self._staging = None  # memory for nothing now (held after refits from buffers)
+        else:
+            staging = self._staging_for(plan, piecewise)
+            assembled = staging.put_pieces(pieces)
+            if not staging.complete:
+                whole = dict(assembled)
+                partial = [name for name in staging.names if name not in whole]
+                raise ValueError(f"the pieces of {len(partial)} tensors do not cover them: "
+                                 f"{partial[:5]}")
+            arrived.update(assembled)
+            self._pipeline.submit(assembled)
+        self.end()
+
     def get_weight(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as it arrived in the last refit (the trainer's digests are
-        compared with it); vLLM's parameters are checked by :meth:`check_loaded`."""
+        compared with it); vLLM's parameters are checked by :meth:`check_loaded`. After a refit
+        loaded in place, the tensor it was loaded from (valid while that refit's memory is)."""
+        if self._in_place is not None:
+            if name not in self._in_place:
+                raise ValueError(f"the last refit brought no weight named {name!r}")
+            return self._in_place[name]
         if self._staging is None:
             raise ValueError(f"no refit has reached this vLLM model yet (asked for {name!r})")
         return self._staging.tensor(name)
 
     def staged_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor of the plan as it arrived in the last refit (empty before the first)."""
+        """Every tensor of the plan as it arrived in the last refit (empty before the first;
+        after a refit loaded in place, the tensors it was loaded from)."""
+        if self._in_place is not None:
+            return list(self._in_place.items())
         staging = self._staging
         return [] if staging is None else [(name, staging.tensor(name)) for name in staging.names]
 
@@ -147,11 +208,12 @@ class VllmModelLoader:
         """Compare every vLLM parameter with what vLLM's plain loader makes of the tensors of
         the last refit (in a reference copy of the model), bitwise; ``None`` when all equal,
         else a message naming the parameters that differ."""
-        if self._staging is None or self._reloading:
+        weights = self.staged_weights()
+        if not weights or self._reloading:
             return "cannot check vLLM's parameters: no finished refit"
         if self._reference is None:
             self._reference = self._make_reference()
-        return self._reference.compare(self._model, self.staged_weights())
+        return self._reference.compare(self._model, weights)
 
     # --- internals -------------------------------------------------------------------------
 
@@ -161,11 +223,18 @@ class VllmModelLoader:
         plan = self._plan_of()
         if plan is None:
             raise RuntimeError("weights arrived before the receiver has a plan")
-        if self._staging is None or self._staging.fingerprint != plan.fingerprint:
-            self._staging = None  # release the old plan's memory before allocating
-            self._staging = RefitStaging(plan, self._device)
-            self._staging.begin()
-        return self._staging
+        return self._staging_for(plan, frozenset(plan.names))
+
+    def _staging_for(self, plan: RefitPlan, names: frozenset[str]) -> RefitStaging:
+        """The staging of ``plan``'s tensors ``names``, begun for this refit: the one held
+        (allocated at the first refit), or a new one for another plan or other names."""
+        staging = self._staging
+        if (staging is None or staging.fingerprint != plan.fingerprint
+                or frozenset(staging.names) != names):
+            self._staging = None  # release the old staging's memory before allocating
+            self._staging = staging = RefitStaging(plan, self._device, names=names)
+            staging.begin()
+        return staging
 
     def _feed(self, whole: list[tuple[str, torch.Tensor]]) -> None:
         """Staged tensors to vLLM (on the pipeline's thread); the slot they came from is free
@@ -195,6 +264,7 @@ class VllmModelLoader:
         self._wait_s = time.perf_counter() - started
         finalized = time.perf_counter()
         finalize_layerwise_reload(self._model, self._model_config)
-        self._load_s = self._pipeline.load_s + time.perf_counter() - finalized
+        self._finalize_s = time.perf_counter() - finalized
+        self._load_s = self._pipeline.load_s + self._finalize_s
         if failure is not None and raise_failure:
             raise failure

@@ -24,7 +24,8 @@ _ALIGNMENT = 64
 
 
 class RefitStaging:
-    """One persistent ``uint8`` allocation holding every tensor of ``plan`` whole, by name.
+    """One persistent ``uint8`` allocation holding every tensor of ``plan`` whole, by name (or
+    only those of ``names``).
 
     Per refit: :meth:`begin`, then :meth:`put` / :meth:`put_pieces` per received buffer, each
     returning the ``(name, tensor)`` pairs that became whole with it (a tensor sent in pieces is
@@ -32,13 +33,20 @@ class RefitStaging:
     until the next :meth:`begin`.
     """
 
-    def __init__(self, plan: RefitPlan, device: torch.device) -> None:
+    def __init__(self, plan: RefitPlan, device: torch.device,
+                 names: frozenset[str] | None = None) -> None:
         shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         for spec in plan.specs():
+            if names is not None and spec.name not in names:
+                continue
             shape = list(spec.shape)
             if spec.region is not None:
                 shape[spec.region.dim] = spec.region.full
             shapes.setdefault(spec.name, (torch.Size(shape), spec.dtype))
+        if names is not None and len(shapes) != len(names):
+            unknown = sorted(names - shapes.keys())
+            raise ValueError(f"{len(unknown)} tensors to stage are not in the plan: "
+                             f"{unknown[:5]}")
         offsets, end = packed_offsets(list(shapes.values()), alignment=_ALIGNMENT)
         self.fingerprint = plan.fingerprint
         self.nbytes = end

@@ -229,7 +229,7 @@ class ColocatedReceiver(RefitReceiver):
             if self._shared is None:
                 raise ValueError("the trainer announced weights it has not shared")
             state.first_buffer_at = time.perf_counter()
-            load_into(engine, self._shared)
+            load_into(engine, self._shared, in_place=True)
             # The trainer may change its weights once it has the reply: finish reading first.
             self._streams.synchronize(timeout_s=self._options.timeout_s,
                                       what=f"loading refit {state.refit_index}")
