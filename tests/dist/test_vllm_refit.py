@@ -24,6 +24,7 @@ from mcore_refit.refit import (
     LocalSource,
     RefitError,
     Refitter,
+    Region,
     SharedMemoryParameters,
     SharedWeightsSender,
     plan_for_source,
@@ -76,26 +77,30 @@ class Trainer:
             tensor.add_(amount)
 
     def expected_vllm_parameters(self) -> dict[str, torch.Tensor]:
-        """What vLLM's Llama computes with, made from the HF tensors without vLLM."""
-        hf = dict(self.tensors)
-        expected = {}
-        for name, tensor in hf.items():
-            if name.endswith("self_attn.q_proj.weight"):
-                prefix = name.removesuffix("q_proj.weight")
-                expected[prefix + "qkv_proj.weight"] = torch.cat(
-                    [hf[prefix + f"{p}_proj.weight"] for p in "qkv"])
-            elif name.endswith("mlp.gate_proj.weight"):
-                prefix = name.removesuffix("gate_proj.weight")
-                expected[prefix + "gate_up_proj.weight"] = torch.cat(
-                    [hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
-            elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
-                expected[name] = tensor
-        return expected
+        return expected_vllm_parameters(self.tensors)
 
     def close(self) -> None:
         self.refitter.close()
         if self._shared is not None:
             self._shared.close()
+
+
+def expected_vllm_parameters(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """What vLLM's Llama computes with, made from the HF tensors without vLLM."""
+    hf = dict(tensors)
+    expected = {}
+    for name, tensor in hf.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            prefix = name.removesuffix("q_proj.weight")
+            expected[prefix + "qkv_proj.weight"] = torch.cat(
+                [hf[prefix + f"{p}_proj.weight"] for p in "qkv"])
+        elif name.endswith("mlp.gate_proj.weight"):
+            prefix = name.removesuffix("gate_proj.weight")
+            expected[prefix + "gate_up_proj.weight"] = torch.cat(
+                [hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
+        elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+            expected[name] = tensor
+    return expected
 
 
 def refit(trainer: Trainer, transfer, *, version: int, verify: bool = True) -> dict:
@@ -215,6 +220,40 @@ def test_vllm_refit_reads_the_trainers_own_tensors_from_shared_memory(llama, ipc
             assert vllm_mismatches(llm, refitted) == []
     finally:
         trainer.close()
+
+
+def test_vllm_load_in_place_names_pieces_that_do_not_cover_and_stops_reading(llama):
+    """A refit loaded in place whose pieces leave a tensor incomplete is refused naming it, and
+    vLLM has finished reading the tensors (the reload closed, no load running) when the error
+    reaches the receiver, which then lets the trainer change them. The next refit loads."""
+    path, llm = llama
+    tensors = sorted(load_file(path / "model.safetensors").items())
+    plan = plan_for_source(LocalSource(TensorListSource(tensors)),
+                           config=PlanConfig(slot_bytes=65536, num_slots=2), device=CPU)
+    name, q = next((name, t) for name, t in tensors if name.endswith("q_proj.weight"))
+    half = q.shape[0] // 2
+    wholes = [(other, t) for other, t in tensors if other != name]
+    first_half = [(name, q[:half], Region(dim=0, start=0, full=q.shape[0]))]
+    both_halves = [*first_half, (name, q[half:], Region(dim=0, start=half, full=q.shape[0]))]
+
+    def load_twice(worker) -> tuple[str, bool, bool]:
+        loader = worker.weight_transfer_engine.loader
+        plan_of, loader._plan_of = loader._plan_of, lambda: plan
+        try:
+            loader.begin(timeout_s=30.0)
+            with pytest.raises(ValueError) as refused:
+                loader.load_weights_in_place(wholes, first_half)
+            stopped = (loader._reloading, loader._pipeline.busy)
+            loader.begin(timeout_s=30.0)
+            loader.load_weights_in_place(wholes, both_halves)
+            return str(refused.value), *stopped
+        finally:
+            loader._plan_of = plan_of
+
+    message, reloading, loading = llm.collective_rpc(load_twice)[0]
+    assert message == f"the pieces of 1 tensors do not cover them: [{name!r}]"
+    assert (reloading, loading) == (False, False)
+    assert vllm_mismatches(llm, expected_vllm_parameters(tensors)) == []
 
 
 def test_vllm_refit_catches_views_kept_across_a_reused_slot(llama, ipc_dir, monkeypatch):

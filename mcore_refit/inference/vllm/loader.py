@@ -53,8 +53,9 @@ class VllmModelLoader:
         self._make_reference = reference
         self._reference: ReferenceModel | None = None
         self._staging: RefitStaging | None = None
-        # The last refit's tensors by name, when it was loaded in place (the trainer's memory,
-        # and the staged tensors that came in pieces); None after a refit from buffers.
+        # The last refit's tensors by name, when it was loaded in place (views of the trainer's
+        # memory as the receiver maps it, and the staged tensors that came in pieces), until the
+        # next begin(); None after a refit from buffers.
         self._in_place: dict[str, torch.Tensor] | None = None
         self._reloading = False
         self._timeout_s = 0.0
@@ -168,20 +169,24 @@ class VllmModelLoader:
             raise ValueError(f"a refit loaded in place must bring every planned tensor once: "
                              f"{len(missing)} missing ({missing[:5]}), {repeated} repeated")
         self._in_place = arrived
-        if weights:
-            self._pipeline.submit(weights)
-        if not pieces:
-            self._staging = None  # memory for nothing now (held after refits from buffers)
-        else:
-            staging = self._staging_for(plan, piecewise)
-            assembled = staging.put_pieces(pieces)
-            if not staging.complete:
-                whole = dict(assembled)
-                partial = [name for name in staging.names if name not in whole]
-                raise ValueError(f"the pieces of {len(partial)} tensors do not cover them: "
-                                 f"{partial[:5]}")
-            arrived.update(assembled)
-            self._pipeline.submit(assembled)
+        try:
+            if weights:
+                self._pipeline.submit(weights)
+            if not pieces:
+                self._staging = None  # memory for nothing now (held after refits from buffers)
+            else:
+                staging = self._staging_for(plan, piecewise)
+                assembled = staging.put_pieces(pieces)
+                if not staging.complete:
+                    whole = dict(assembled)
+                    partial = [name for name in staging.names if name not in whole]
+                    raise ValueError(f"the pieces of {len(partial)} tensors do not cover them: "
+                                     f"{partial[:5]}")
+                arrived.update(assembled)
+                self._pipeline.submit(assembled)
+        except BaseException:
+            self.abandon()  # vLLM stops reading the tensors before the caller replies
+            raise
         self.end()
 
     def get_weight(self, name: str) -> torch.Tensor:
