@@ -14,6 +14,7 @@ checksum in-band.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -296,10 +297,7 @@ class StreamedSlots:
 def typed_view(memory: torch.Tensor, offset: int, shape: Sequence[int],
                dtype: torch.dtype) -> torch.Tensor:
     """The ``dtype`` tensor of ``shape`` at byte ``offset`` of ``memory`` (flat ``uint8``)."""
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     return memory[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
 
@@ -310,10 +308,7 @@ def packed_offsets(layout: Sequence[tuple[Sequence[int], torch.dtype]], *,
     offsets, end = [], 0
     for shape, dtype in layout:
         offsets.append(end)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        end = _align_up(end + numel * dtype.itemsize, alignment)
+        end = _align_up(end + math.prod(shape) * dtype.itemsize, alignment)
     return offsets, end
 
 

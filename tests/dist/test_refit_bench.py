@@ -208,6 +208,6 @@ def test_vllm_colocated_refits_from_buffers_and_from_the_trainers_own_memory(tmp
     # vLLM's loader called with the whole tensors, then with the assembled ones (merged into one
     # call if the first had not started; a median over the refits); staged: only q, k and v.
     assert 1 <= modes["shared_weights"]["receiver_engine"]["load_calls"] <= 2
-    staged = sum(4 * 128 * 128 + 2 * 4 * 64 * 128 for _ in range(4))  # float32 q + k + v
-    assert modes["shared_weights"]["receiver_held_bytes"] == staged
+    q_k_v = (128 + 64 + 64) * 128 * 4  # rows of q, k and v, 128 columns, float32
+    assert modes["shared_weights"]["receiver_held_bytes"] == 4 * q_k_v  # 4 layers
     assert modes["engine"]["receiver_held_bytes"] > modes["engine"]["payload_bytes"]

@@ -210,8 +210,8 @@ def test_vllm_refit_reads_the_trainers_own_tensors_from_shared_memory(llama, ipc
                 assert (sent.verified, sent.transport, sent.held_bytes) == \
                     (True, "colocated_weights", 0), outcome
                 assert outcome["engine"].verified is True, outcome
-                assert outcome["engine"].engine["load_calls"] == 1  # whole tensors only
-                # Whole tensors only: vLLM read them where they are, nothing was staged.
+                # Whole tensors only: one call, vLLM read them where they are, nothing staged.
+                assert outcome["engine"].engine["load_calls"] == 1
                 assert outcome["engine"].held_bytes == 0, outcome
                 assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
             refitted = {name: tensor.clone()

@@ -155,11 +155,7 @@ class VllmModelLoader:
         vLLM starts on them while tensors in pieces are assembled in a staging held for them
         alone. vLLM's loads and the reload are finished when this returns: nothing keeps a view
         of the tensors afterwards."""
-        if not self._reloading:
-            raise RuntimeError("weights arrived outside a refit (call begin() first)")
-        plan = self._plan_of()
-        if plan is None:
-            raise RuntimeError("weights arrived before the receiver has a plan")
+        plan = self._refit_plan()
         weights, pieces = list(weights), list(pieces)
         piecewise = frozenset(name for name, _, _ in pieces)
         arrived = dict(weights)
@@ -222,20 +218,25 @@ class VllmModelLoader:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _staged(self) -> RefitStaging:
+    def _refit_plan(self) -> RefitPlan:
+        """The plan of the refit that weights arrive in (raises outside one)."""
         if not self._reloading:
             raise RuntimeError("weights arrived outside a refit (call begin() first)")
         plan = self._plan_of()
         if plan is None:
             raise RuntimeError("weights arrived before the receiver has a plan")
-        return self._staging_for(plan, frozenset(plan.names))
+        return plan
 
-    def _staging_for(self, plan: RefitPlan, names: frozenset[str]) -> RefitStaging:
-        """The staging of ``plan``'s tensors ``names``, begun for this refit: the one held
-        (allocated at the first refit), or a new one for another plan or other names."""
+    def _staged(self) -> RefitStaging:
+        return self._staging_for(self._refit_plan(), None)
+
+    def _staging_for(self, plan: RefitPlan, names: frozenset[str] | None) -> RefitStaging:
+        """The staging of ``plan``'s tensors ``names`` (``None``: all), begun for this refit:
+        the one held (allocated at the first refit), or a new one for another plan or other
+        names."""
         staging = self._staging
         if (staging is None or staging.fingerprint != plan.fingerprint
-                or frozenset(staging.names) != names):
+                or staging.selection != names):
             self._staging = None  # release the old staging's memory before allocating
             self._staging = staging = RefitStaging(plan, self._device, names=names)
             staging.begin()

@@ -49,6 +49,7 @@ class RefitStaging:
                              f"{unknown[:5]}")
         offsets, end = packed_offsets(list(shapes.values()), alignment=_ALIGNMENT)
         self.fingerprint = plan.fingerprint
+        self.selection = names  # None: every tensor of the plan
         self.nbytes = end
         self._memory = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
         self._tensors = {name: typed_view(self._memory, offset, shape, dtype)
