@@ -2,7 +2,8 @@
 against the limit of the hardware in the same run (driven by ``recipes/refit_bench.py``).
 
 Modes (``bench.modes``), each with ``num_warmup`` untimed and ``num_refits`` timed repetitions,
-then (``verify``) one refit compared with the source bit for bit:
+then (``verify``) one refit compared with the source bit for bit; the list runs ``rounds`` times
+and each mode's timed repetitions are pooled:
 
 - ``raw_link``: the limit. Non-colocated, one ``raw_link_bytes`` broadcast from trainer rank 0
   to the inference ranks on other devices; colocated, a device-to-device copy of that size;
@@ -31,7 +32,7 @@ from mcore_refit.bench.colocated import ColocatedBench, run_colocated
 from mcore_refit.bench.config import BenchLayout, RefitBenchJob, check_layout
 from mcore_refit.bench.memory import check_bench_memory
 from mcore_refit.bench.non_colocated import NonColocatedBench, run_non_colocated
-from mcore_refit.bench.results import ModeResult, emit, summarize
+from mcore_refit.bench.results import ModeResult, emit, pool_rounds, summarize
 from mcore_refit.bench.sources import PRESETS, build_sources
 from mcore_refit.control import ControlGroup
 from mcore_refit.memory import gpu_capacities
@@ -103,7 +104,9 @@ def run_bench(job: RefitBenchJob, *, rank: int, world_size: int, local_rank: int
 
 
 def report(job: RefitBenchJob, layout: BenchLayout, results: list[ModeResult]) -> int:
-    """Print (and append to ``bench.output``) a line per mode and the summary; the exit code."""
+    """Print (and append to ``bench.output``) a line per mode (its rounds pooled) and the
+    summary; the exit code."""
+    results = pool_rounds(results)
     model = _model_description(job)
     where = {"source": job.bench.source, "placement": layout.placement,
              "layout": layout.as_dict(), **model}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.bench.rank import BenchRank, receive_refits
-from mcore_refit.bench.results import ModeResult, progress, transport_result
+from mcore_refit.bench.results import ModeResult, median_by_key, progress, transport_result
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
 from mcore_refit.control import ControlGroup, Outcome
@@ -47,7 +47,8 @@ class ColocatedBench(BenchRank):
 
 
 def run_colocated(bench: ColocatedBench) -> list[ModeResult] | None:
-    """Every mode of ``bench.job.bench.modes``; the results on rank 0, else None.
+    """Every mode of ``bench.job.bench.modes``, ``bench.rounds`` times over; the results (one
+    per mode and round) on rank 0, else None.
 
     Each rank's engine process lives for the whole run and receives every refit mode through a
     new endpoint; it holds one engine's weights (the specs of the main source).
@@ -60,7 +61,7 @@ def run_colocated(bench: ColocatedBench) -> list[ModeResult] | None:
         who="trainer rank")
     results = []
     try:
-        for mode in job.bench.modes:
+        for mode in job.bench.modes * job.bench.rounds:
             bench.trainers.barrier(what=f"every rank at the start of mode {mode}",
                                    timeout_s=job.refit.transport.start_timeout_s)
             results.append(MODES[mode](bench, mode, engine))
@@ -187,11 +188,14 @@ def _refit(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResul
 
 def _floor(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResult:
     """Every rank's vLLM engine loads the last refit's tensors by its own loader; the slowest
-    rank's time per repetition."""
-    times, payload = engine.call("load_floor", repetitions=len(bench.repetitions()))
-    rows = bench.trainers.all_gather_json(times[bench.job.bench.num_warmup:],
+    rank's time per repetition, and the loader's figures (medians over ranks and repetitions)."""
+    times, payload, figures = engine.call("load_floor", repetitions=len(bench.repetitions()))
+    warmup = bench.job.bench.num_warmup
+    rows = bench.trainers.all_gather_json([times[warmup:], figures[warmup:]],
                                           what="vLLM's load floor")
-    return ModeResult(mode=mode, payload_bytes=payload, refit_s=[max(t) for t in zip(*rows)],
+    return ModeResult(mode=mode, payload_bytes=payload,
+                      refit_s=[max(t) for t in zip(*(row[0] for row in rows))],
+                      receiver_engine=median_by_key(f for row in rows for f in row[1]),
                       device=bench.device_name)
 
 
@@ -260,11 +264,11 @@ class BenchEngineServer:
         return {"telemetry": timed, "error": error}
 
     def do_load_floor(self, repetitions: int) -> list:
-        """vLLM's own load of the last refit's tensors: ``[seconds per repetition, bytes]``."""
+        """vLLM's own load of the last refit's tensors: ``[seconds per repetition, bytes,
+        the loader's figures per repetition]``."""
         if self.vllm is None:
             raise RuntimeError("vllm_load_floor needs bench.engine=vllm")
-        times, payload = self.vllm.load_floor(repetitions)
-        return [times, payload]
+        return list(self.vllm.load_floor(repetitions))
 
     def close(self) -> None:
         pass

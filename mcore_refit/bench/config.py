@@ -72,6 +72,10 @@ class BenchConfig:
                                                        "engine"])
     num_refits: int = 3
     num_warmup: int = 1
+    # Run the whole list of modes this many times, one round after another; each mode's timed
+    # repetitions are pooled over the rounds. A slow spell of a busy host then weighs on every
+    # mode alike instead of on whichever mode it fell in (the ratios between modes steady).
+    rounds: int = 1
     # Parameter dtype of synthetic sets.
     dtype: Dtype = "bfloat16"
     seed: int = 0
@@ -122,7 +126,7 @@ class BenchConfig:
         if not self.modes or len(set(self.modes)) != len(self.modes):
             raise ConfigError(f"`modes` must be distinct entries of "
                               f"{', '.join(typing.get_args(Mode))}; got {self.modes}")
-        for key in ("num_refits", "raw_link_bytes", "num_trainer_ranks"):
+        for key in ("num_refits", "rounds", "raw_link_bytes", "num_trainer_ranks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"`{key}` must be an integer ≥ 1, got {value!r}")

@@ -24,6 +24,7 @@ from mcore_refit.bench.rank import BenchRank, timed_refits
 from mcore_refit.bench.results import (
     ModeResult,
     fold_rows,
+    median_by_key,
     progress,
     rank_row,
     transport_result,
@@ -84,10 +85,11 @@ class NonColocatedBench(BenchRank):
 
 def run_non_colocated(bench: NonColocatedBench) -> list[ModeResult] | None:
     """Every mode of ``bench.job.bench.modes`` (a refit mode once per ``bench.fanouts``, named
-    ``mode/fanout``); the results on trainer rank 0, else None."""
+    ``mode/fanout``), ``bench.rounds`` times over; the results (one per mode and round) on
+    trainer rank 0, else None."""
     results = []
     fanouts = bench.job.bench.fanouts
-    for mode in bench.job.bench.modes:
+    for mode in bench.job.bench.modes * bench.job.bench.rounds:
         for fanout in fanouts if fanouts and mode in FANOUT_MODES else [None]:
             name = mode if fanout is None else f"{mode}/{fanout}"
             bench.fanout = fanout
@@ -289,17 +291,20 @@ def _in_step(bench: NonColocatedBench, what: str, action: Callable, *args):
 
 
 def _floor_trainer(bench: NonColocatedBench, mode: str) -> ModeResult:
-    """The slowest inference rank's load of the last refit's tensors by vLLM's loader."""
+    """The slowest inference rank's load of the last refit's tensors by vLLM's loader, and the
+    loader's figures (medians over ranks and repetitions)."""
     rows = [row for row in bench.control.all_gather_json(None, what="vLLM's load floor")
             if row is not None]
     times = [max(row[0][i] for row in rows) for i in range(len(rows[0][0]))]
     return ModeResult(mode=mode, payload_bytes=rows[0][1], refit_s=times,
+                      receiver_engine=median_by_key(f for row in rows for f in row[2]),
                       device=bench.device_name)
 
 
 def _floor_receiver(bench: NonColocatedBench, mode: str) -> None:
-    times, payload = bench.vllm_engine().load_floor(len(bench.repetitions()))
-    bench.control.all_gather_json([times[bench.job.bench.num_warmup:], payload],
+    times, payload, figures = bench.vllm_engine().load_floor(len(bench.repetitions()))
+    warmup = bench.job.bench.num_warmup
+    bench.control.all_gather_json([times[warmup:], payload, figures[warmup:]],
                                   what="vLLM's load floor")
 
 

@@ -85,11 +85,7 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     if receiver:
         result.receiver_phases = {p: round(statistics.median(t[p] for t in receiver), 6)
                                   for p in PHASES}
-        figures = sorted({key for t in receiver for key in t.get("engine", {})})
-        result.receiver_engine = {
-            key: round(statistics.median(t["engine"][key] for t in receiver
-                                         if key in t.get("engine", {})), 6)
-            for key in figures}
+        result.receiver_engine = median_by_key(t.get("engine", {}) for t in receiver)
     result.peak_extra_bytes = _max(t.peak_extra_bytes for t in sender)
     result.new_allocations = _sum(t.new_allocations for t in sender)
     result.new_segments = _sum(t.new_segments for t in sender)
@@ -98,6 +94,48 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     result.receiver_new_allocations = _sum(t["new_allocations"] for t in receiver)
     result.receiver_new_segments = _sum(t["new_segments"] for t in receiver)
     return result
+
+
+def pool_rounds(results: list[ModeResult]) -> list[ModeResult]:
+    """One result per mode from those of every round (``bench.rounds``), in the order the modes
+    first ran: the timed repetitions of all rounds together; phases and engine figures, the
+    median of the rounds' medians; bytes, the largest; allocations, summed; every round's
+    error, with its round."""
+    by_mode: dict[str, list[ModeResult]] = {}
+    for result in results:
+        by_mode.setdefault(result.mode, []).append(result)
+    return [_pooled(rounds) if len(rounds) > 1 else rounds[0] for rounds in by_mode.values()]
+
+
+def _pooled(rounds: list[ModeResult]) -> ModeResult:
+    verified = [r.verified for r in rounds]
+    errors = [f"round {i + 1} of {len(rounds)}: {r.error}"
+              for i, r in enumerate(rounds) if r.error]
+    ingress = [r.ingress_gbps for r in rounds if r.ingress_gbps is not None]
+    return dataclasses.replace(
+        rounds[0], refit_s=[s for r in rounds for s in r.refit_s],
+        verified=False if False in verified else (True if True in verified else None),
+        held_bytes=_max(r.held_bytes for r in rounds),
+        receiver_held_bytes=_max(r.receiver_held_bytes for r in rounds),
+        phases=median_by_key(r.phases for r in rounds),
+        receiver_phases=median_by_key(r.receiver_phases for r in rounds),
+        receiver_engine=median_by_key(r.receiver_engine for r in rounds),
+        peak_extra_bytes=_max(r.peak_extra_bytes for r in rounds),
+        receiver_peak_extra_bytes=_max(r.receiver_peak_extra_bytes for r in rounds),
+        new_allocations=_sum(r.new_allocations for r in rounds),
+        new_segments=_sum(r.new_segments for r in rounds),
+        receiver_new_allocations=_sum(r.receiver_new_allocations for r in rounds),
+        receiver_new_segments=_sum(r.receiver_new_segments for r in rounds),
+        error="\n".join(errors) or None,
+        ingress_gbps=round(statistics.median(ingress), 3) if ingress else None)
+
+
+def median_by_key(figures) -> dict[str, float]:
+    """Key by key, the median over the dicts in ``figures`` that have the key."""
+    figures = list(figures)
+    keys = list(dict.fromkeys(key for f in figures for key in f))
+    return {key: round(statistics.median(f[key] for f in figures if key in f), 6)
+            for key in keys}
 
 
 def rank_row(telemetry: list[dict], error: BaseException | None) -> dict[str, Any]:

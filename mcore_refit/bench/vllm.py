@@ -95,21 +95,23 @@ class VllmBenchEngine:
         return VllmWeightTransfer(self.llm, device=self.device,
                                   options=options if options is not None else self.options)
 
-    def load_floor(self, repetitions: int) -> tuple[list[float], int]:
+    def load_floor(self, repetitions: int) -> tuple[list[float], int, list[dict]]:
         """Seconds of each of ``repetitions`` loads, by vLLM's loader, of the tensors the last
         refit brought (as the refit loads them: layerwise reload, whole HF tensors, on the
         loading thread of the refit's own loader; from ``load_weights`` to the finished
-        reload), and their bytes. The thread matters on CPU: vLLM's worker binds its main
-        thread's OpenMP threads to cores, and on a busy host a bound and an unbound thread load
-        at different speeds; floor and refit load on the same one."""
+        reload), their bytes, and the loader's figures of each (as a refit's telemetry has
+        them: ``load_cpu_s`` says whether a refit's loads did more work than these or waited).
+        The thread matters on CPU: vLLM's worker binds its main thread's OpenMP threads to
+        cores, and on a busy host a bound and an unbound thread load at different speeds;
+        floor and refit load on the same one."""
 
-        def load(worker) -> tuple[list[float], int]:
+        def load(worker) -> tuple[list[float], int, list[dict]]:
             loader = worker.weight_transfer_engine.loader
             weights = loader.staged_weights()
             if not weights:
                 raise RuntimeError("vllm_load_floor needs a refit mode before it (the floor "
                                    "loads the tensors the last refit brought)")
-            times = []
+            times, figures = [], []
             for _ in range(repetitions):
                 # The reload's set-up is left out of the floor (a refit's engine starts it in
                 # start_weight_update, and it overlaps the transport's start there).
@@ -120,7 +122,8 @@ class VllmBenchEngine:
                 loader.load_from_memory(weights)
                 _synchronize(worker.device)
                 times.append(time.perf_counter() - started)
-            return times, sum(tensor.nbytes for _, tensor in weights)
+                figures.append(loader.figures())
+            return times, sum(tensor.nbytes for _, tensor in weights), figures
 
         return self.llm.collective_rpc(load)[0]
 

@@ -204,7 +204,11 @@ def test_vllm_colocated_refits_from_buffers_and_from_the_trainers_own_memory(tmp
     for mode in ("engine", "shared_weights"):
         assert modes[mode]["error"] is None and modes[mode]["verified"] is True, modes[mode]
         assert modes[mode]["receiver_engine"]["load_calls"] >= 1
+        assert modes[mode]["receiver_engine"]["load_cpu_s"] > 0
         assert f"{mode}_vs_vllm_load_floor" in summary["targets"]
+    # The floor's loader figures, beside the refits': one call of every tensor.
+    assert modes["vllm_load_floor"]["receiver_engine"]["load_calls"] == 1
+    assert modes["vllm_load_floor"]["receiver_engine"]["load_cpu_s"] > 0
     # vLLM's loader called with the whole tensors, then with the assembled ones (merged into one
     # call if the first had not started; a median over the refits); staged: only q, k and v.
     assert 1 <= modes["shared_weights"]["receiver_engine"]["load_calls"] <= 2

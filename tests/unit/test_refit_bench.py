@@ -19,6 +19,7 @@ from mcore_refit.bench.results import (
     ModeResult,
     colocated_floor_s,
     fold_rows,
+    pool_rounds,
     rank_row,
     summarize,
     transport_result,
@@ -84,6 +85,7 @@ def test_bad_layouts_are_rejected_by_key(kwargs, world_size, message):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["bench.num_trainer_ranks=0"], "bench.num_trainer_ranks must be an integer ≥ 1, got 0"),
+    (["bench.rounds=0"], "bench.rounds must be an integer ≥ 1, got 0"),
     (["bench.modes=[engine, engine]"], "bench.modes must be distinct entries of raw_link, "),
     (["bench.modes=[bridge_export]"], "bench.modes ['bridge_export'] measure "
                                       "Megatron-Bridge's export: they need bench.source=megatron"),
@@ -260,6 +262,26 @@ def test_the_receiving_engines_own_figures_are_folded_into_their_medians():
     plain = transport_result("engine", _Plan(), [], [receiver(0, 0, engine=False)],
                              verified=True, device="cpu", error=None)
     assert plain.receiver_engine == {}
+
+
+def test_rounds_pool_each_modes_repetitions_in_the_order_the_modes_first_ran():
+    """bench.rounds: a mode's timed repetitions of every round are its figures (the summary's
+    ratios are then of medians over all rounds); each round's error keeps its round."""
+    ran = [ModeResult(mode="engine", payload_bytes=8, refit_s=[0.10, 0.30], device="cpu",
+                      verified=True, held_bytes=4, new_segments=0, phases={"load_s": 0.2},
+                      receiver_engine={"load_s": 0.1}),
+           result("vllm_load_floor", 0.08),
+           ModeResult(mode="engine", payload_bytes=8, refit_s=[0.20, 0.50], device="cpu",
+                      verified=None, held_bytes=6, new_segments=1, phases={"load_s": 0.4},
+                      receiver_engine={"load_s": 0.3}, error="engine: the engine died"),
+           result("vllm_load_floor", 0.12)]
+    engine, floor = pool_rounds(ran)
+    assert engine.refit_s == [0.10, 0.30, 0.20, 0.50] and engine.refit_s_median == 0.25
+    assert floor.mode == "vllm_load_floor" and floor.refit_s == [0.08, 0.12]
+    assert (engine.verified, engine.held_bytes, engine.new_segments) == (True, 6, 1)
+    assert engine.phases == {"load_s": 0.3} and engine.receiver_engine == {"load_s": 0.2}
+    assert engine.error == "round 2 of 2: engine: the engine died"
+    assert pool_rounds(ran[:2]) == ran[:2]
 
 
 def test_rows_out_of_step_are_reported_after_the_root_failure_never_raised():

@@ -53,7 +53,19 @@ def test_vllm_pipeline_merges_the_loads_queued_behind_a_busy_thread_into_one_cal
         assert calls == [[f"w{i}{p}" for i in range(4) for p in "ab"], "step", ["w4a"]]
         assert pipeline.load_calls == 2
         pipeline.reset_timing()
-        assert pipeline.load_calls == 0 and pipeline.load_s == 0
+        assert pipeline.load_calls == 0 and pipeline.load_s == 0 and pipeline.load_cpu_s == 0
+    finally:
+        pipeline.close()
+
+
+def test_a_load_that_waits_counts_wall_time_but_not_cpu_time():
+    """``load_cpu_s`` is the loading thread's CPU time: a refit's loads that took longer than
+    the floor's for the same tensors show whether they did more work or waited."""
+    pipeline = LoadPipeline(lambda weights: time.sleep(0.2), device=CPU)
+    try:
+        pipeline.submit([("w", torch.ones(1))])
+        pipeline.drain(timeout_s=10)
+        assert pipeline.load_s >= 0.2 and pipeline.load_cpu_s < 0.1
     finally:
         pipeline.close()
 

@@ -71,10 +71,13 @@ class VllmModelLoader:
     def figures(self) -> dict[str, float]:
         """The last refit's figures inside vLLM: seconds in its loader (set-up, loads and
         finalisation), of the reload's set-up and of its finalisation, calls into its
-        ``load_weights``, seconds the last buffer waited."""
+        ``load_weights``, seconds the last buffer waited, and the CPU seconds of the loading
+        thread (set-up and loads: less than their wall time when the thread waited for the
+        GIL, a core or the device)."""
         return {"load_s": round(self._load_s, 6), "setup_s": round(self._setup_s, 6),
                 "finalize_s": round(self._finalize_s, 6),
-                "load_calls": self._pipeline.load_calls, "wait_s": round(self._wait_s, 6)}
+                "load_calls": self._pipeline.load_calls, "wait_s": round(self._wait_s, 6),
+                "load_cpu_s": round(self._pipeline.load_cpu_s, 6)}
 
     @property
     def staging_bytes(self) -> int:

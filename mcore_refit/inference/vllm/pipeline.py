@@ -88,6 +88,7 @@ class LoadPipeline:
         # Seconds spent in the steps (loads and others), and the calls into ``load``, since the
         # last reset_timing().
         self.load_s = 0.0
+        self.load_cpu_s = 0.0
         self.load_calls = 0
 
     @property
@@ -97,6 +98,7 @@ class LoadPipeline:
 
     def reset_timing(self) -> None:
         self.load_s = 0.0
+        self.load_cpu_s = 0.0
         self.load_calls = 0
 
     def submit(self, weights: Weights) -> None:
@@ -193,7 +195,7 @@ class LoadPipeline:
         entry = self._take()
         if entry is None or self._failure is not None:
             return None
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             if entry.staged is not None:
                 torch.cuda.current_stream(self._device).wait_event(entry.staged)
@@ -213,6 +215,7 @@ class LoadPipeline:
             return None
         finally:
             self.load_s += time.perf_counter() - started
+            self.load_cpu_s += time.thread_time() - cpu_started
 
     def _restore_switch_interval(self) -> None:
         if self._saved_switch_interval is not None:
