@@ -53,13 +53,15 @@ summarize() { echo "{\"run\": \"$1\", \"summary\": $(last_json "$1")}" >> "$D/su
 # refit_bench NAME LIMIT NPROC [overrides...]: a step running recipes/refit_bench.py on NPROC
 # ranks, on the port after $port, with --config $CONFIG (default configs/refit_bench.yaml), its
 # JSON lines appended to $D/bench.jsonl and its summary to $D/summaries.jsonl. With RUNS set, only
-# the names RUNS lists run.
+# the names RUNS lists run; BENCH_OVERRIDES (space-separated, e.g. "bench.rounds=3") are added to
+# every run's overrides.
 refit_bench() {
   local name=$1 limit=$2 nproc=$3; shift 3
   [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $name "* ]] || return 0
   port=$((port + 1))
   step "$name" "$limit" python3 -m torch.distributed.run --nproc-per-node "$nproc" \
     --master-addr 127.0.0.1 --master-port "$port" recipes/refit_bench.py \
-    --config "${CONFIG:-configs/refit_bench.yaml}" bench.output="$D/bench.jsonl" "$@"
+    --config "${CONFIG:-configs/refit_bench.yaml}" bench.output="$D/bench.jsonl" "$@" \
+    ${BENCH_OVERRIDES:-}
   summarize "$name"
 }

@@ -192,7 +192,7 @@ def test_vllm_colocated_refits_from_buffers_and_from_the_trainers_own_memory(tmp
     model = write_tiny_checkpoint(tmp_path / "tiny-llama", TinyModelSpec(**VLLM_SIZES))
     result = run_script(RECIPE, "--config", str(REPO_ROOT / "configs/refit_bench_vllm_cpu.yaml"),
                         f"megatron.hf_path={model}", "refit.mode=colocated",
-                        "bench.num_refits=2", "bench.num_warmup=1",
+                        "bench.num_refits=2", "bench.num_warmup=1", "bench.rounds=1",
                         f"refit.transport.ipc_dir={ipc_dir}",
                         "bench.modes=[engine, shared_weights, vllm_load_floor]", nproc=1,
                         timeout_s=280)
