@@ -312,3 +312,37 @@ def test_vllm_refit_plan_mismatch_is_named_on_both_sides(llama, ipc_dir):
     finally:
         trainer.close()
         other.close()
+
+
+class _GroupedGemmMoE:
+    """Stands for vLLM's CPU fused MoE on its grouped-GEMM path (CPUs without AMX)."""
+
+    isa = "vec"
+
+    def forward_grouped_gemm(self) -> None:
+        pass
+
+    @property
+    def forward_method(self):
+        return self.forward_grouped_gemm
+
+
+def test_the_check_reads_moe_experts_in_the_layout_vllm_prepacked_them():
+    """On CPUs without AMX vLLM's fused MoE prepacks the experts' weights in place (same shape,
+    another order): the check prepacks the reference's the same way, and only those."""
+    from types import SimpleNamespace
+
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    from mcore_refit.inference.vllm.verification import as_the_engine_holds
+
+    experts = torch.nn.Module()
+    experts.quant_method = SimpleNamespace(cpu_fused_moe=_GroupedGemmMoE())
+    loaded = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(0))
+    packed = cpu_prepack_moe_weight(loaded, "vec")
+    assert not torch.equal(packed, loaded)
+    assert torch.equal(bits(as_the_engine_holds(experts, "w2_weight", loaded)), bits(packed))
+    assert as_the_engine_holds(experts, "e_score_correction_bias", loaded) is loaded
+    plain = torch.nn.Module()
+    plain.quant_method = SimpleNamespace(cpu_fused_moe=None)
+    assert as_the_engine_holds(plain, "w2_weight", loaded) is loaded

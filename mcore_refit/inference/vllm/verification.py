@@ -9,7 +9,8 @@ twin bit for bit.
 On CPU vLLM computes each linear layer from a repacked oneDNN copy and leaves its ``weight``
 empty; such a weight is read back through the layer's own GEMM with an identity matrix
 (``I @ W.T``: every output element is one weight times 1.0 plus zeros, exact in any float
-type).
+type). Its fused MoE may prepack the experts' weights in place (same shape, other order, on
+CPUs without AMX): the reference's are prepacked the same way before the comparison.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class ReferenceModel:
                 module = engine_modules.get(module_name)
                 for name, expected in reference_module.named_parameters(recurse=False):
                     label = f"{module_name}.{name}" if module_name else name
+                    if module is not None:
+                        expected = as_the_engine_holds(module, name, expected)
                     actual = None if module is None else read_parameter(module, name, expected)
                     checked += 1
                     if actual is None or not bitwise_equal(actual, expected):
@@ -71,6 +74,22 @@ class ReferenceModel:
                 if len(differ) > _MAX_NAMES_SHOWN else "")
         return (f"vLLM check failed: {len(differ)} of {checked} vLLM parameters differ from what "
                 f"vLLM's own loader makes of the received tensors: {shown}{more}")
+
+
+def as_the_engine_holds(module: torch.nn.Module, name: str,
+                       expected: torch.Tensor) -> torch.Tensor:
+    """``expected`` (as the plain loader leaves ``module.<name>``) in the layout the engine's
+    ``module`` computes with, where vLLM rearranges a weight without changing its shape: on CPU
+    its fused MoE prepacks the experts' weights for its grouped GEMM (``vec`` on x86 without
+    AMX, ``amx`` for bf16 with it; other CPUs keep them as loaded)."""
+    fused = getattr(getattr(module, "quant_method", None), "cpu_fused_moe", None)
+    grouped = getattr(fused, "forward_grouped_gemm", None)
+    if name not in ("w13_weight", "w2_weight") or grouped is None \
+            or getattr(fused, "forward_method", None) != grouped:
+        return expected
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    return cpu_prepack_moe_weight(expected.contiguous(), fused.isa)
 
 
 def read_parameter(module: torch.nn.Module, name: str,
