@@ -8,7 +8,7 @@ tear the process groups down however the run ends.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from mcore_refit.memory import gpu_capacities
 from mcore_refit.non_colocated import init_non_colocated_job
 from mcore_refit.policy.worker import Policy, build_policy
 from mcore_refit.processes import PeerWatch
+from mcore_refit.refit import SharedMemoryParameters
 
 
 def validate_launch(config: GRPOJobConfig, *, world_size: int, resume: bool,
@@ -125,12 +126,13 @@ def run_colocated(config: GRPOJobConfig, *, rank: int, world_size: int, local_ra
     failed = True
     try:
         policy, pad_token_id = build_trainer(config, context.device)
-        trainers = trainer_control(context.control_group, config, peers=context.peers)
-        source = policy.weight_source(control=trainers)
-        rollouts = ColocatedRollouts(config=config, context=context, source=source,
-                                     job_id=job_id)
-        summary = train_and_close(config, policy, rollouts, pad_token_id, context.device,
-                                  trainers, resume, stops=stops)
+        with weights_readable_by_the_engine(config, policy, context.device):
+            trainers = trainer_control(context.control_group, config, peers=context.peers)
+            source = policy.weight_source(control=trainers)
+            rollouts = ColocatedRollouts(config=config, context=context, source=source,
+                                         job_id=job_id)
+            summary = train_and_close(config, policy, rollouts, pad_token_id, context.device,
+                                      trainers, resume, stops=stops)
         failed = False
         return summary
     except BaseException as error:
@@ -193,6 +195,29 @@ def build_trainer(config: GRPOJobConfig, device: torch.device) -> tuple[Policy, 
     policy = build_policy(config.model, model_parallel, config.policy, device=device)
     tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
     return policy, pad_token_id(tokenizer, where=config.model.hf_path)
+
+
+@contextlib.contextmanager
+def weights_readable_by_the_engine(config: GRPOJobConfig, policy: Policy,
+                                   device: torch.device) -> Iterator[None]:
+    """With ``refit.transport.ipc_sharing``=weights on CPU, the policy's parameters in a
+    shared-memory file for the block, so that the engine process can map them (CUDA memory is
+    shared as it is; a CPU parameter built the usual way lives in private memory). They keep
+    their identity, so the optimizer updates them there."""
+    if config.refit.transport.ipc_sharing != "weights" or device.type != "cpu":
+        yield
+        return
+    if config.policy.optimizer.use_distributed_optimizer:
+        # Its parameters are views of the optimizer's buffer, which a move would cut them from.
+        raise ConfigError("`refit.transport.ipc_sharing`=weights on CPU moves the parameters "
+                          "into shared memory, which `policy.optimizer.use_distributed_optimizer`"
+                          "=true does not allow (its parameters are views of its buffer); use "
+                          "ipc_sharing=buffers")
+    shared = SharedMemoryParameters(policy.model.chunks, ipc_dir=config.refit.transport.ipc_dir)
+    try:
+        yield
+    finally:
+        shared.close()
 
 
 def trainer_control(group: dist.ProcessGroup, config: GRPOJobConfig, *,

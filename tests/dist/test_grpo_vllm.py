@@ -58,6 +58,24 @@ def test_grpo_with_vllm_colocated_learns_and_matches_the_trainer(checkpoint, tmp
     assert mean(rewards[-10:]) > mean(rewards[:10]) + 0.3, rewards
 
 
+@pytest.mark.timeout(600)
+def test_grpo_with_vllm_reads_the_trainers_own_parameters_in_place(checkpoint, tmp_path):
+    """``refit.transport.ipc_sharing=weights`` on CPU: the policy's parameters move into shared
+    memory and vLLM loads every refit from them (the trainer holds no slots), after each
+    optimizer step; every refit verified inside vLLM, vLLM's logprobs agree with the trainer's."""
+    out = tmp_path / "run"
+    result = run_grpo(COLOCATED, checkpoint, out, "run.steps=3", "run.eval_every=0",
+                      "run.verify_refit=true", "parallel.pipeline=1",
+                      "parallel.virtual_pipeline=null", "refit.transport.ipc_sharing=weights",
+                      nproc=1)
+    summary = last_json_line(result.stdout)
+    assert summary["steps"] == 3 and summary["mode"] == "colocated"
+    assert 1.0 <= summary["logprob_mult_err_max"] < MULT_ERR_BOUND
+    records = metrics(out)
+    assert [r["refit/held_bytes"] for r in records] == [0, 0, 0]
+    assert all(r["refit/verify_s"] > 0 for r in records)
+
+
 @pytest.mark.timeout(900)
 def test_grpo_with_vllm_on_an_inference_rank_refits_by_broadcast(checkpoint, tmp_path):
     out = tmp_path / "run"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -236,7 +237,7 @@ def test_vllm_load_in_place_names_pieces_that_do_not_cover_and_stops_reading(lla
     first_half = [(name, q[:half], Region(dim=0, start=0, full=q.shape[0]))]
     both_halves = [*first_half, (name, q[half:], Region(dim=0, start=half, full=q.shape[0]))]
 
-    def load_twice(worker) -> tuple[str, bool, bool]:
+    def load_twice(worker) -> tuple[str, bool, bool, bool, bool]:
         loader = worker.weight_transfer_engine.loader
         plan_of, loader._plan_of = loader._plan_of, lambda: plan
         try:
@@ -245,15 +246,23 @@ def test_vllm_load_in_place_names_pieces_that_do_not_cover_and_stops_reading(lla
                 loader.load_weights_in_place(wholes, first_half)
             stopped = (loader._reloading, loader._pipeline.busy)
             loader.begin(timeout_s=30.0)
-            loader.load_weights_in_place(wholes, both_halves)
-            return str(refused.value), *stopped
+            # Views only the loader can keep alive, standing in for the trainer's memory.
+            views = [(other, tensor.view_as(tensor)) for other, tensor in wholes]
+            kept = weakref.ref(views[0][1])
+            loader.load_weights_in_place(views, both_halves)
+            del views
+            held = kept() is not None
+            loader.close()
+            return str(refused.value), *stopped, held, kept() is None
         finally:
             loader._plan_of = plan_of
 
-    message, reloading, loading = llm.collective_rpc(load_twice)[0]
+    message, reloading, loading, held, released = llm.collective_rpc(load_twice)[0]
     assert message == f"the pieces of 1 tensors do not cover them: [{name!r}]"
     assert (reloading, loading) == (False, False)
     assert vllm_mismatches(llm, expected_vllm_parameters(tensors)) == []
+    # The verification reads them until the engine closes; closed, nothing here maps them.
+    assert held and released
 
 
 def test_vllm_refit_catches_views_kept_across_a_reused_slot(llama, ipc_dir, monkeypatch):

@@ -140,8 +140,11 @@ class VllmModelLoader:
         self.end()
 
     def close(self) -> None:
-        """Stop the loading thread. Idempotent."""
+        """Stop the loading thread and let go of the last refit's tensors: after a refit loaded
+        in place they are the trainer's memory, which the trainer counts as still mapped (CUDA
+        IPC) until every view of it here is gone. Idempotent."""
         self._pipeline.close()
+        self._in_place = None
 
     # --- WeightLoader ----------------------------------------------------------------------
 
