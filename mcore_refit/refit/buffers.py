@@ -22,7 +22,7 @@ import torch
 
 from mcore_refit.refit.checksum import buffer_checksum
 from mcore_refit.refit.errors import RefitError
-from mcore_refit.refit.plan import HEADER_BYTES, RefitPlan, _align_up
+from mcore_refit.refit.plan import HEADER_BYTES, RefitPlan, align_up
 from mcore_refit.refit.source import Piecewise, SourceReader
 from mcore_refit.refit.specs import TensorSpec
 from mcore_refit.refit.streams import DeviceStreams
@@ -308,7 +308,7 @@ def packed_offsets(layout: Sequence[tuple[Sequence[int], torch.dtype]], *,
     offsets, end = [], 0
     for shape, dtype in layout:
         offsets.append(end)
-        end = _align_up(end + math.prod(shape) * dtype.itemsize, alignment)
+        end = align_up(end + math.prod(shape) * dtype.itemsize, alignment)
     return offsets, end
 
 

@@ -104,7 +104,7 @@ class RefitPlan:
     @cached_property
     def payload_offset(self) -> int:
         """Offset of the first tensor in every buffer (the header rounded up to the alignment)."""
-        return _align_up(self.header_bytes, self.alignment_bytes)
+        return align_up(self.header_bytes, self.alignment_bytes)
 
     @property
     def num_buffers(self) -> int:
@@ -203,7 +203,7 @@ def build_plan(specs: Sequence[TensorSpec], *, slot_bytes: int, num_slots: int,
     by_source: dict[int, list[TensorSpec]] = {}
     for spec, source in zip(specs, sources, strict=True):
         by_source.setdefault(int(source), []).append(spec)
-    start = _align_up(header_bytes, alignment_bytes)
+    start = align_up(header_bytes, alignment_bytes)
     chunks = {source: _layout(own, slot_bytes=slot_bytes, start=start,
                               alignment_bytes=alignment_bytes)
               for source, own in by_source.items()}
@@ -270,7 +270,7 @@ def _layout(specs: Sequence[TensorSpec], *, slot_bytes: int, start: int,
 
     def close(*, oversized: bool) -> None:
         nonlocal placed, cursor
-        chunks.append((placed, _align_up(cursor, alignment_bytes), oversized))
+        chunks.append((placed, align_up(cursor, alignment_bytes), oversized))
         placed, cursor = [], start
 
     for spec in specs:
@@ -282,7 +282,7 @@ def _layout(specs: Sequence[TensorSpec], *, slot_bytes: int, start: int,
             cursor = start + nbytes
             close(oversized=True)
             continue
-        offset = _align_up(cursor, alignment_bytes)
+        offset = align_up(cursor, alignment_bytes)
         if offset + nbytes > slot_bytes:
             close(oversized=False)
             offset = start
@@ -326,7 +326,7 @@ def _check_layout_args(*, slot_bytes: int, num_slots: int, alignment_bytes: int,
         raise ValueError(f"num_slots must be ≥ 1, got {num_slots}")
     if header_bytes < 0 or header_bytes % 8:
         raise ValueError(f"header_bytes must be a non-negative multiple of 8, got {header_bytes}")
-    if slot_bytes % alignment_bytes or slot_bytes <= _align_up(header_bytes, alignment_bytes):
+    if slot_bytes % alignment_bytes or slot_bytes <= align_up(header_bytes, alignment_bytes):
         raise ValueError(
             f"slot_bytes={slot_bytes} must be a multiple of alignment_bytes={alignment_bytes} "
             f"and larger than the {header_bytes}-byte header"
@@ -363,5 +363,6 @@ def _check_specs(specs: Sequence[TensorSpec]) -> None:
                              f"{dim}")
 
 
-def _align_up(value: int, alignment: int) -> int:
+def align_up(value: int, alignment: int) -> int:
+    """``value`` rounded up to a multiple of ``alignment``."""
     return (value + alignment - 1) // alignment * alignment
