@@ -14,6 +14,7 @@ when nothing failed. :func:`exit_after` then ends the rank at once.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -192,4 +193,8 @@ def exit_after(main: Callable[[], int]) -> NoReturn:
         sys.stderr.flush()
         logging.shutdown()
         os._exit(1)
+    # What main left in reference cycles (a model and its optimizer) is freed while the process
+    # is whole: CUDA memory it shared with an engine that has since let go (the weights, read in
+    # place) is then returned before torch's exit check, which would report it as still shared.
+    gc.collect()
     sys.exit(code)

@@ -198,6 +198,36 @@ def test_a_failed_rank_reports_its_failure_even_if_stopped_while_reporting(tmp_p
     assert stderr.read_text().splitlines()[-1] == "PeerGone: trainer rank 1 (pid 4242) died"
 
 
+FINISHED_RANK = """
+    import sys
+    from mcore_refit.processes import exit_after
+
+    class Weights:  # stands for a model whose memory an engine read in place (CUDA IPC)
+        def __del__(self):
+            print("freed while finalizing" if sys.is_finalizing() else "freed before exit",
+                  flush=True)
+
+    def main():
+        weights = Weights()
+        weights.optimizer = {"params": weights}  # a model and its optimizer: a cycle
+        return 0
+
+    exit_after(main)
+"""
+
+
+def test_a_finished_rank_frees_what_its_run_left_in_cycles_before_it_exits(tmp_path):
+    """At exit torch reports CUDA memory this process shared that is still alive (an engine
+    read the weights in place); what the run left in reference cycles is freed before the
+    interpreter's teardown, so that memory is returned first."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(FINISHED_RANK))
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (result.returncode, result.stdout) == (0, "freed before exit\n"), result.stderr
+
+
 TRAINER = """
     import os, sys, time
     from mcore_refit.inference.process import EngineProcess
