@@ -162,3 +162,25 @@ def test_prompts_that_leave_no_room_for_the_completion_are_refused(tmp_path, tin
         validate_launch(config(tmp_path, COLOCATED, "inference.sampling.max_new_tokens=250",
                                'eval.prompt_template="Compute {prompt}"', model=tiny_model),
                         world_size=2, resume=False)
+
+
+def test_weights_read_in_place_on_cpu_refuse_the_distributed_optimizer_by_name():
+    """On CPU the job moves the policy's parameters into shared memory for the engine to read;
+    the distributed optimizer's parameters are views of its buffer, which the move would cut
+    them from. On a GPU the parameters are shared as they are."""
+    import torch
+
+    from mcore_refit.grpo.job import weights_readable_by_the_engine
+
+    config = load_config(GRPOJobConfig, REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml",
+                         ["model.hf_path=/ckpt", "refit.transport.ipc_sharing=weights",
+                          "policy.optimizer.use_distributed_optimizer=true"])
+    with pytest.raises(ConfigError) as error:
+        with weights_readable_by_the_engine(config, policy=None, device=torch.device("cpu")):
+            pass
+    assert str(error.value) == (
+        "refit.transport.ipc_sharing=weights on CPU moves the parameters into shared memory, "
+        "which policy.optimizer.use_distributed_optimizer=true does not allow (its parameters "
+        "are views of its buffer); use ipc_sharing=buffers")
+    with weights_readable_by_the_engine(config, policy=None, device=torch.device("cuda", 0)):
+        pass  # nothing to move
