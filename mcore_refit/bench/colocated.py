@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.bench.rank import BenchRank, receive_refits
-from mcore_refit.bench.results import ModeResult, median_by_key, progress, transport_result
+from mcore_refit.bench.results import ModeResult, floor_result, progress, transport_result
 from mcore_refit.bench.sources import BenchSources
 from mcore_refit.bench.vllm import VllmBenchEngine, vllm_engine_args
 from mcore_refit.control import ControlGroup, Outcome
@@ -191,12 +191,9 @@ def _floor(bench: ColocatedBench, mode: str, engine: EngineProcess) -> ModeResul
     rank's time per repetition, and the loader's figures (medians over ranks and repetitions)."""
     times, payload, figures = engine.call("load_floor", repetitions=len(bench.repetitions()))
     warmup = bench.job.bench.num_warmup
-    rows = bench.trainers.all_gather_json([times[warmup:], figures[warmup:]],
+    rows = bench.trainers.all_gather_json([times[warmup:], payload, figures[warmup:]],
                                           what="vLLM's load floor")
-    return ModeResult(mode=mode, payload_bytes=payload,
-                      refit_s=[max(t) for t in zip(*(row[0] for row in rows))],
-                      receiver_engine=median_by_key(f for row in rows for f in row[1]),
-                      device=bench.device_name)
+    return floor_result(mode, rows, device=bench.device_name)
 
 
 MODES: dict[str, Callable[[ColocatedBench, str, EngineProcess], ModeResult]] = {

@@ -23,8 +23,8 @@ from mcore_refit.bench.config import FANOUT_MODES
 from mcore_refit.bench.rank import BenchRank, timed_refits
 from mcore_refit.bench.results import (
     ModeResult,
+    floor_result,
     fold_rows,
-    median_by_key,
     progress,
     rank_row,
     transport_result,
@@ -295,10 +295,7 @@ def _floor_trainer(bench: NonColocatedBench, mode: str) -> ModeResult:
     loader's figures (medians over ranks and repetitions)."""
     rows = [row for row in bench.control.all_gather_json(None, what="vLLM's load floor")
             if row is not None]
-    times = [max(row[0][i] for row in rows) for i in range(len(rows[0][0]))]
-    return ModeResult(mode=mode, payload_bytes=rows[0][1], refit_s=times,
-                      receiver_engine=median_by_key(f for row in rows for f in row[2]),
-                      device=bench.device_name)
+    return floor_result(mode, rows, device=bench.device_name)
 
 
 def _floor_receiver(bench: NonColocatedBench, mode: str) -> None:

@@ -96,6 +96,16 @@ def transport_result(mode: str, plan, sender: list[RefitTelemetry], receiver: li
     return result
 
 
+def floor_result(mode: str, rows: list[list], *, device: str) -> ModeResult:
+    """vLLM's load floor from every loading rank's ``[seconds per timed repetition, bytes, the
+    loader's figures per timed repetition]``: the slowest rank's time per repetition, and the
+    figures' medians over ranks and repetitions."""
+    return ModeResult(mode=mode, payload_bytes=rows[0][1],
+                      refit_s=[max(times) for times in zip(*(row[0] for row in rows))],
+                      receiver_engine=median_by_key(f for row in rows for f in row[2]),
+                      device=device)
+
+
 def pool_rounds(results: list[ModeResult]) -> list[ModeResult]:
     """One result per mode from those of every round (``bench.rounds``), in the order the modes
     first ran: the timed repetitions of all rounds together; phases and engine figures, the

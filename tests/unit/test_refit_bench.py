@@ -18,6 +18,7 @@ from mcore_refit.bench.config import (
 from mcore_refit.bench.results import (
     ModeResult,
     colocated_floor_s,
+    floor_result,
     fold_rows,
     pool_rounds,
     rank_row,
@@ -262,6 +263,14 @@ def test_the_receiving_engines_own_figures_are_folded_into_their_medians():
     plain = transport_result("engine", _Plan(), [], [receiver(0, 0, engine=False)],
                              verified=True, device="cpu", error=None)
     assert plain.receiver_engine == {}
+
+
+def test_the_floor_is_the_slowest_rank_per_repetition_with_its_loaders_median_figures():
+    rows = [[[0.10, 0.30], 8, [{"load_cpu_s": 0.09}, {"load_cpu_s": 0.25}]],
+            [[0.20, 0.25], 8, [{"load_cpu_s": 0.18}, {"load_cpu_s": 0.20}]]]
+    floor = floor_result("vllm_load_floor", rows, device="cpu")
+    assert floor.refit_s == [0.20, 0.30] and floor.payload_bytes == 8
+    assert floor.receiver_engine == {"load_cpu_s": 0.19}
 
 
 def test_rounds_pool_each_modes_repetitions_in_the_order_the_modes_first_ran():

@@ -61,9 +61,10 @@ class ReferenceModel:
                 module = engine_modules.get(module_name)
                 for name, expected in reference_module.named_parameters(recurse=False):
                     label = f"{module_name}.{name}" if module_name else name
+                    actual = None
                     if module is not None:
                         expected = as_the_engine_holds(module, name, expected)
-                    actual = None if module is None else read_parameter(module, name, expected)
+                        actual = read_parameter(module, name, expected)
                     checked += 1
                     if actual is None or not bitwise_equal(actual, expected):
                         differ.append(label)
