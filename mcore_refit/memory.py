@@ -197,7 +197,8 @@ def trainer_state_bytes(numel: int, *, dtype: str, distributed_optimizer: bool,
 def vllm_engine_parts(model_bytes: int, *, verify: bool,
                       kv_cache_bytes: int) -> tuple[tuple[str, int], ...]:
     """What a vLLM engine holds beyond its copy of the model during a refit: the staging every
-    received tensor is copied into (the payload once, see ``inference/vllm/staging.py``), the
+    received tensor is copied into (the payload once, see ``inference/vllm/staging.py``; an upper
+    bound: with a slot per buffer only tensor-parallel pieces are copied), the
     reference model a verified refit loads the same tensors into (once more), and its KV cache."""
     return (("vLLM's refit staging", model_bytes),
             ("vLLM's reference model (verify)", model_bytes if verify else 0),

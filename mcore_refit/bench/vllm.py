@@ -6,8 +6,10 @@ a refit into vLLM is measured against, in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -76,6 +78,8 @@ class VllmBenchEngine:
                                   kv_cache_bytes=KV_CACHE_BYTES,
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   device=self.device)
+        # The last refit's tensors, whole, for the floor (see transfer()).
+        self._last_refit: list[tuple[str, torch.Tensor]] = []
 
     def receive(self, init_info, *, num_refits: int, first_timed: int,
                 num_timed: int) -> tuple[list[dict], str | None]:
@@ -87,13 +91,23 @@ class VllmBenchEngine:
             return receive_refits(transfer, init_info, num_refits=num_refits,
                                   first_timed=first_timed, num_timed=num_timed)
 
-    def transfer(self, options: TransportOptions | None = None):
+    @contextlib.contextmanager
+    def transfer(self, options: TransportOptions | None = None) -> Iterator:
         """A ``VllmWeightTransfer`` into this engine, receiving with ``options`` (this engine's
-        by default; a non-colocated benchmark passes the running mode's fan-out)."""
+        by default; a non-colocated benchmark passes the running mode's fan-out). When the
+        block ends without an error, the last refit's tensors are kept for the floor, copied
+        where vLLM read them in the trainer's memory or the transport's slots (gone with the
+        transfer)."""
         from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
 
-        return VllmWeightTransfer(self.llm, device=self.device,
-                                  options=options if options is not None else self.options)
+        with VllmWeightTransfer(self.llm, device=self.device,
+                                options=options if options is not None else self.options
+                                ) as transfer:
+            yield transfer
+            self._last_refit = []  # the old copies go before new ones are made
+            self._last_refit = self.llm.collective_rpc(
+                lambda worker: worker.weight_transfer_engine.loader.staged_weights(
+                    copy_referred=True))[0]
 
     def load_floor(self, repetitions: int) -> tuple[list[float], int, list[dict]]:
         """Seconds of each of ``repetitions`` loads, by vLLM's loader, of the tensors the last
@@ -104,10 +118,10 @@ class VllmBenchEngine:
         The thread matters on CPU: vLLM's worker binds its main thread's OpenMP threads to
         cores, and on a busy host a bound and an unbound thread load at different speeds;
         floor and refit load on the same one."""
+        weights = self._last_refit
 
         def load(worker) -> tuple[list[float], int, list[dict]]:
             loader = worker.weight_transfer_engine.loader
-            weights = loader.staged_weights()
             if not weights:
                 raise RuntimeError("vllm_load_floor needs a refit mode before it (the floor "
                                    "loads the tensors the last refit brought)")

@@ -1,9 +1,11 @@
 """What a receiving engine must provide (:class:`WeightLoader`), and reference engines.
 
 Transports hand every received buffer to the engine with :func:`load_into`: whole tensors through
-``load_weights``, tensor-parallel pieces through ``load_weight_pieces``. A transport whose tensors
-stay valid for the whole refit (the trainer's own memory, shared) passes ``in_place=True``: an
-engine with ``load_weights_in_place`` may then read them without a copy of its own.
+``load_weights``, tensor-parallel pieces through ``load_weight_pieces``. Where the tensors stay
+valid longer than the call, an engine may read them without a copy of its own: a transport
+passes ``held=True`` for a buffer whose slot is not refilled before the refit ends (``held``
+engines have ``load_weights_held``), and ``in_place=True`` for the whole refit in the trainer's
+own memory, shared (``load_weights_in_place``).
 
 :class:`NamedTensorEngine` is the ``load_weights`` / ``get_weight`` convention over a mapping of
 name → tensor. :class:`HFModelEngine` applies it to a Hugging Face ``transformers`` model (its
@@ -42,20 +44,25 @@ class WeightLoader(Protocol):
 
 
 def load_into(engine: WeightLoader, entries: Sequence[tuple[TensorSpec, torch.Tensor]], *,
-              in_place: bool = False) -> None:
+              held: bool = False, in_place: bool = False) -> None:
     """Hand one buffer's tensors to ``engine``: whole ones through ``load_weights``, pieces
     through ``load_weight_pieces``.
 
+    ``held``: ``entries`` stay valid and unchanged until the refit ends (their slot is not
+    refilled before). An engine with ``load_weights_held(wholes, pieces)`` then gets them there
+    and may keep reading them after the call, uncopied; it must have finished when the refit
+    ends (before the transport's last reply to the trainer).
     ``in_place``: ``entries`` are every tensor of the refit, valid and unchanged until this
-    returns (not a buffer refilled after it). An engine with ``load_weights_in_place(wholes,
-    pieces)`` then gets them in one call and may load from them without copying them first; it
-    must have finished reading them when that call returns."""
+    returns. An engine with ``load_weights_in_place(wholes, pieces)`` then gets them in one
+    call and may load from them without copying them first; it must have finished reading them
+    when that call returns."""
     wholes = [(spec.name, view) for spec, view in entries if spec.region is None]
     pieces = [(spec.name, view, spec.region) for spec, view in entries
               if spec.region is not None]
-    load_in_place = getattr(engine, "load_weights_in_place", None) if in_place else None
-    if load_in_place is not None:
-        load_in_place(wholes, pieces)
+    name = "load_weights_in_place" if in_place else "load_weights_held" if held else None
+    load_uncopied = getattr(engine, name, None) if name is not None else None
+    if load_uncopied is not None:
+        load_uncopied(wholes, pieces)
         return
     if wholes:
         engine.load_weights(wholes)

@@ -128,6 +128,20 @@ class RefitPlan:
         """Size of the extra slot for oversized buffers (0 when the plan has none)."""
         return max((b.wire_bytes for b in self.buffers if b.oversized), default=0)
 
+    @cached_property
+    def piecewise_names(self) -> frozenset[str]:
+        """Names of the tensors sent in pieces (one from each tensor-parallel rank)."""
+        return frozenset(t.spec.name for t in self.tensors if t.spec.region is not None)
+
+    @cached_property
+    def slot_per_buffer(self) -> bool:
+        """Every buffer has a slot of its own on its source and on the receivers (``num_slots``
+        at least the number of buffers, and at most one oversized): no slot is refilled during
+        a refit, so what a receiver reads from its slots stays valid until the next refit."""
+        receiver = [b.receiver_slot for b in self.buffers]
+        source = [(b.source, b.slot) for b in self.buffers]
+        return len(set(receiver)) == len(receiver) and len(set(source)) == len(source)
+
     @property
     def num_held_slots(self) -> int:
         """Slots one side allocates: the regular ones plus one for oversized buffers, if any."""

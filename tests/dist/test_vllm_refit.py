@@ -160,35 +160,72 @@ def options(ipc_dir: str) -> TransportOptions:
                             ipc_dir=ipc_dir)
 
 
+def verified_refits(trainer: Trainer, llm, ipc_dir: str, *, count: int):
+    """``count`` refits into ``llm``, each after changing the trainer's tensors: verified on
+    both sides, and vLLM's parameters read back bitwise; yields each refit's outcome."""
+    from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
+
+    with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir)) as transfer:
+        transfer.init_weight_transfer_engine(ColocatedInitInfo(address=trainer.address))
+        for version in range(count):
+            trainer.bump(0.25 * version)
+            outcome = refit(trainer, transfer, version=version)
+            assert outcome["trainer"].verified is True, outcome
+            assert outcome["engine"].verified is True, outcome
+            assert transfer.weight_version == version
+            assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
+            yield outcome
+
+
 def test_vllm_refit_many_small_buffers_bitwise(llama, ipc_dir):
     """4 KiB slots: every attention and MLP tensor travels in a slot that the next buffer
     reuses while vLLM's layer is still incomplete; three refits with other weights each."""
-    from mcore_refit.inference.vllm.transfer import VllmWeightTransfer
-
     path, llm = llama
     trainer = Trainer(path, options(ipc_dir), plan=PlanConfig(slot_bytes=4096, num_slots=2),
                       device_id="vllm-small")
     assert trainer.refitter.plan.num_buffers >= 30
     staged_at = []
     try:
-        with VllmWeightTransfer(llm, device=CPU, options=options(ipc_dir)) as transfer:
-            transfer.init_weight_transfer_engine(ColocatedInitInfo(address=trainer.address))
-            for version in range(3):
-                trainer.bump(0.25 * version)
-                outcome = refit(trainer, transfer, version=version)
-                assert outcome["trainer"].verified is True, outcome
-                assert outcome["engine"].verified is True, outcome
-                # vLLM's loader figures travel in the telemetry: merged calls, at most one per
-                # buffer.
-                figures = outcome["engine"].engine
-                assert 1 <= figures["load_calls"] <= trainer.refitter.plan.num_buffers, figures
-                assert figures["load_s"] > 0 and figures["wait_s"] >= 0, figures
-                assert transfer.weight_version == version
-                assert vllm_mismatches(llm, trainer.expected_vllm_parameters()) == []
-                staged_at.append(staging_address(llm))
+        for outcome in verified_refits(trainer, llm, ipc_dir, count=3):
+            # vLLM's loader figures travel in the telemetry: merged calls, at most one per
+            # buffer.
+            figures = outcome["engine"].engine
+            assert 1 <= figures["load_calls"] <= trainer.refitter.plan.num_buffers, figures
+            assert figures["load_s"] > 0 and figures["wait_s"] >= 0, figures
+            staged_at.append(staging_address(llm))
     finally:
         trainer.close()
     assert len(set(staged_at)) == 1  # the staging is allocated once, not per refit
+
+
+def test_vllm_refit_from_a_slot_per_buffer_reads_the_slots_uncopied(llama, ipc_dir):
+    """Slots enough for every buffer: none is refilled during a refit, so vLLM reads each
+    buffer where it arrived, with no staged copy (the engine holds no staging); bitwise, three
+    refits, each verified. After the refit, the tensors vLLM was given are the slots."""
+    path, llm = llama
+    probe = Trainer(path, options(ipc_dir), plan=PlanConfig(slot_bytes=1 << 18, num_slots=2),
+                    device_id="vllm-held-probe")
+    num_buffers = probe.refitter.plan.num_buffers
+    probe.close()
+    trainer = Trainer(path, options(ipc_dir),
+                      plan=PlanConfig(slot_bytes=1 << 18, num_slots=num_buffers),
+                      device_id="vllm-held")
+
+    def staged_in_slots(worker) -> bool:
+        loader = worker.weight_transfer_engine.loader
+        slots = [slot.untyped_storage() for slot in
+                 worker.weight_transfer_engine._receiver._slots.slots]
+        spans = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in slots]
+        return all(any(start <= t.data_ptr() < end for start, end in spans)
+                   for _, t in loader.staged_weights())
+
+    try:
+        assert trainer.refitter.plan.slot_per_buffer and num_buffers > 2
+        for outcome in verified_refits(trainer, llm, ipc_dir, count=3):
+            assert outcome["engine"].held_bytes == trainer.refitter.plan.held_bytes
+            assert llm.collective_rpc(staged_in_slots)[0]
+    finally:
+        trainer.close()
 
 
 def test_vllm_refit_reads_the_trainers_own_tensors_from_shared_memory(llama, ipc_dir):

@@ -44,7 +44,8 @@ def _check(results: dict, *, engine_ranks: list[str]) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layouts", [DENSE, MOE], ids=["dense", "moe"])
 def test_vllm_refit_non_colocated_layouts(tmp_path, layouts):
-    results = _run(tmp_path, nproc=3, placement="non_colocated", layouts=layouts,
+    results = _run(tmp_path, nproc=3, placement="non_colocated",
+                   layouts=layouts + ["tp2_held"] if layouts == DENSE else layouts,
                    timeout_s=580)
     _check(results, engine_ranks=["rank2"])
 

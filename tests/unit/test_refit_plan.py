@@ -55,6 +55,20 @@ def test_oversized_tensor_travels_alone_in_the_extra_slot():
     assert plan.largest_tensor_bytes == 4000
 
 
+def test_a_slot_per_buffer_only_when_no_slot_serves_two_buffers_of_a_refit():
+    specs = [spec(f"t{i}", (50,)) for i in range(5)]  # one 200-byte tensor per 512-byte buffer
+    assert not build_plan(specs, slot_bytes=512, num_slots=2, alignment_bytes=256).slot_per_buffer
+    assert build_plan(specs, slot_bytes=512, num_slots=5, alignment_bytes=256).slot_per_buffer
+    # Sources fill their own slots: 3 buffers from rank 0 and 2 from rank 1 need 5 on receivers.
+    two_sources = build_plan(specs, slot_bytes=512, num_slots=3, alignment_bytes=256,
+                             sources=[0, 0, 0, 1, 1])
+    assert not two_sources.slot_per_buffer
+    # Oversized buffers share the one extra slot.
+    big = [spec("small", (8,)), spec("huge", (1000,)), spec("huge2", (600,))]
+    assert build_plan(big[:2], slot_bytes=1024, num_slots=1, alignment_bytes=256).slot_per_buffer
+    assert not build_plan(big, slot_bytes=1024, num_slots=4, alignment_bytes=256).slot_per_buffer
+
+
 def test_no_oversized_slot_when_everything_fits():
     plan = build_plan([spec("a", (4,))], slot_bytes=1024, num_slots=3)
     assert plan.num_held_slots == 3 and plan.oversized_slot_bytes == 0

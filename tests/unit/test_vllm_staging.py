@@ -1,5 +1,7 @@
 """RefitStaging: whole tensors assembled from a refit's buffers, outliving every slot."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -50,3 +52,32 @@ def test_vllm_staging_refuses_what_the_plan_does_not_send():
     staging.put([("b", torch.ones(5))])
     with pytest.raises(ValueError, match="'b' arrived more often than the plan sends it"):
         staging.put([("b", torch.ones(5))])
+
+
+def test_vllm_staging_refers_to_tensors_that_outlive_the_refit_and_copies_only_pieces():
+    plan = _plan()
+    staging = RefitStaging(plan, CPU, copied=plan.piecewise_names)
+    assert plan.piecewise_names == {"w"}
+    assert staging.nbytes == 64 < RefitStaging(plan, CPU).nbytes  # "w" only (48 bytes, aligned)
+    b, e = torch.ones(5), torch.ones(3, 2, dtype=torch.bfloat16)
+    staging.begin()
+    whole = staging.refer([("b", b), ("e", e)])
+    assert [(name, tensor.data_ptr()) for name, tensor in whole] == [("b", b.data_ptr()),
+                                                                     ("e", e.data_ptr())]
+    assert not staging.complete
+    staging.put_pieces([("w", torch.ones(2, 3), Region(dim=0, start=0, full=4)),
+                        ("w", torch.ones(2, 3), Region(dim=0, start=2, full=4))])
+    assert staging.complete and staging.tensor("b") is b
+    with pytest.raises(ValueError, match="unknown weight name 'b': the refit's staging has no"):
+        staging.put([("b", b)])  # not copied here
+    with pytest.raises(ValueError, match=r"weight 'e': received \(2, 3\) torch.bfloat16, the "
+                                         r"refit's plan has \(3, 2\) torch.bfloat16"):
+        staging.refer([("e", e.view(2, 3))])
+    with pytest.raises(ValueError, match="unknown weight name 'x': the refit's plan has no"):
+        staging.refer([("x", b)])
+    kept = weakref.ref(b)
+    del b, whole
+    staging.begin()  # the next refit lets the last one's tensors go
+    assert kept() is None
+    with pytest.raises(ValueError, match="'e' arrived more often than the plan sends it"):
+        staging.refer([("e", e), ("e", e)])

@@ -10,14 +10,16 @@ with once all its weights arrived; :meth:`end` finishes the layers still open. A
 ``model.load_weights`` into a running CPU engine fails (its linear weights are emptied after
 processing), having half-updated ``lm_head`` first.
 
-What the receiver hands over are views of transport slots (refilled right after), so every
-tensor is first copied into :class:`~mcore_refit.inference.vllm.staging.RefitStaging`, where
-pieces from tensor-parallel trainer ranks are assembled too; vLLM sees only staged tensors. The
-copy is all that happens in the receiver's loop: vLLM's load of the staged tensors runs on a
-:class:`~mcore_refit.inference.vllm.pipeline.LoadPipeline` thread while the next buffers arrive.
-A refit from the trainer's own memory (``ipc_sharing: weights``) comes whole and stays valid
-until the refit's reply: :meth:`VllmModelLoader.load_weights_in_place` hands those tensors to
-vLLM uncopied (only tensors in pieces are assembled) and finishes the reload before it returns.
+What the receiver hands over are views of transport slots, in general refilled right after, so
+every tensor is first copied into :class:`~mcore_refit.inference.vllm.staging.RefitStaging`,
+where pieces from tensor-parallel trainer ranks are assembled too; vLLM sees only staged
+tensors. The copy is all that happens in the receiver's loop: vLLM's load of the staged tensors
+runs on a :class:`~mcore_refit.inference.vllm.pipeline.LoadPipeline` thread while the next
+buffers arrive. Two kinds of refit skip the copy of whole tensors (only pieces are assembled):
+one whose plan gives every buffer a slot of its own, so that no slot is refilled before the
+refit ends (:meth:`VllmModelLoader.load_weights_held`, buffer by buffer), and one from the
+trainer's own memory, ``ipc_sharing: weights`` (:meth:`VllmModelLoader.load_weights_in_place`,
+the whole refit in one call). vLLM's reload is finished before the refit's last reply either way.
 """
 
 from __future__ import annotations
@@ -52,11 +54,8 @@ class VllmModelLoader:
         self._plan_of = plan_of
         self._make_reference = reference
         self._reference: ReferenceModel | None = None
+        # The last refit's tensors, copied or referred to (see staging.py).
         self._staging: RefitStaging | None = None
-        # The last refit's tensors by name, when it was loaded in place (views of the trainer's
-        # memory as the receiver maps it, and the staged tensors that came in pieces), until the
-        # next begin(); None after a refit from buffers.
-        self._in_place: dict[str, torch.Tensor] | None = None
         self._reloading = False
         self._timeout_s = 0.0
         self._pipeline = LoadPipeline(model.load_weights, device=self._device)
@@ -101,7 +100,6 @@ class VllmModelLoader:
         self._timeout_s = timeout_s
         self._pipeline.reset_timing()
         self._load_s = self._setup_s = self._finalize_s = self._wait_s = 0.0
-        self._in_place = None
         if self._staging is not None:
             self._staging.begin()
         model = self._model
@@ -140,11 +138,12 @@ class VllmModelLoader:
         self.end()
 
     def close(self) -> None:
-        """Stop the loading thread and let go of the last refit's tensors: after a refit loaded
-        in place they are the trainer's memory, which the trainer counts as still mapped (CUDA
-        IPC) until every view of it here is gone. Idempotent."""
+        """Stop the loading thread and let go of the last refit's tensors: those referred to
+        are the trainer's memory or the transport's slots, which the trainer counts as still
+        mapped (CUDA IPC) until every view of them here is gone. Idempotent."""
         self._pipeline.close()
-        self._in_place = None
+        if self._staging is not None:
+            self._staging.release()
 
     # --- WeightLoader ----------------------------------------------------------------------
 
@@ -154,38 +153,42 @@ class VllmModelLoader:
     def load_weight_pieces(self, pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
         self._feed(self._staged().put_pieces(pieces))
 
+    def load_weights_held(self, weights: Iterable[tuple[str, torch.Tensor]],
+                          pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
+        """Load one buffer whose tensors stay valid and unchanged until the refit ends (its
+        slot is not refilled before: the plan gives every buffer a slot of its own): whole
+        tensors go to vLLM uncopied, pieces are assembled in a staging held for them alone."""
+        plan = self._refit_plan()
+        staging = self._staging_for(plan, plan.piecewise_names)
+        self._feed(staging.refer(weights) + staging.put_pieces(pieces))
+
     def load_weights_in_place(self, weights: Iterable[tuple[str, torch.Tensor]],
                               pieces: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
         """Load a whole refit whose tensors stay valid and unchanged until this returns (the
         trainer's own memory, shared): whole tensors go to vLLM as they are, with no copy, and
         vLLM starts on them while tensors in pieces are assembled in a staging held for them
         alone. vLLM's loads and the reload are finished when this returns: nothing keeps a view
-        of the tensors afterwards."""
+        of the tensors afterwards but this loader, for :meth:`get_weight` (until the next
+        refit, or :meth:`close`)."""
         plan = self._refit_plan()
         weights, pieces = list(weights), list(pieces)
         piecewise = frozenset(name for name, _, _ in pieces)
-        arrived = dict(weights)
+        arrived = {name for name, _ in weights}
         missing = [name for name in plan.names if name not in arrived and name not in piecewise]
-        repeated = len(weights) - len(arrived) + len(piecewise & arrived.keys())
+        repeated = len(weights) - len(arrived) + len(piecewise & arrived)
         if missing or repeated:
             raise ValueError(f"a refit loaded in place must bring every planned tensor once: "
                              f"{len(missing)} missing ({missing[:5]}), {repeated} repeated")
-        self._in_place = arrived
+        staging = self._staging_for(plan, piecewise)
         try:
-            if weights:
-                self._pipeline.submit(weights)
-            if not pieces:
-                self._staging = None  # memory for nothing now (held after refits from buffers)
-            else:
-                staging = self._staging_for(plan, piecewise)
-                assembled = staging.put_pieces(pieces)
-                if not staging.complete:
-                    whole = dict(assembled)
-                    partial = [name for name in staging.names if name not in whole]
-                    raise ValueError(f"the pieces of {len(partial)} tensors do not cover them: "
-                                     f"{partial[:5]}")
-                arrived.update(assembled)
-                self._pipeline.submit(assembled)
+            self._submit(staging.refer(weights))
+            assembled = staging.put_pieces(pieces)
+            if not staging.complete:
+                whole = dict(assembled)
+                partial = [name for name in piecewise if name not in whole]
+                raise ValueError(f"the pieces of {len(partial)} tensors do not cover them: "
+                                 f"{partial[:5]}")
+            self._submit(assembled)
         except BaseException:
             self.abandon()  # vLLM stops reading the tensors before the caller replies
             raise
@@ -193,23 +196,22 @@ class VllmModelLoader:
 
     def get_weight(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as it arrived in the last refit (the trainer's digests are
-        compared with it); vLLM's parameters are checked by :meth:`check_loaded`. After a refit
-        loaded in place, the tensor it was loaded from (valid while that refit's memory is)."""
-        if self._in_place is not None:
-            if name not in self._in_place:
-                raise ValueError(f"the last refit brought no weight named {name!r}")
-            return self._in_place[name]
+        compared with it); vLLM's parameters are checked by :meth:`check_loaded`. A tensor
+        loaded uncopied is the memory it was loaded from (valid while that refit's is)."""
         if self._staging is None:
             raise ValueError(f"no refit has reached this vLLM model yet (asked for {name!r})")
         return self._staging.tensor(name)
 
-    def staged_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def staged_weights(self, *, copy_referred: bool = False) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the plan as it arrived in the last refit (empty before the first;
-        after a refit loaded in place, the tensors it was loaded from)."""
-        if self._in_place is not None:
-            return list(self._in_place.items())
+        those loaded uncopied: the memory they were loaded from, the trainer's or the
+        transport's, which changes at the next refit and goes when the transport closes;
+        ``copy_referred``: copies of those, which outlive both)."""
         staging = self._staging
-        return [] if staging is None else [(name, staging.tensor(name)) for name in staging.names]
+        if staging is None:
+            return []
+        return [(name, staging.tensor(name).clone() if copy_referred and staging.referred(name)
+                 else staging.tensor(name)) for name in staging.names]
 
     def check_loaded(self) -> str | None:
         """Compare every vLLM parameter with what vLLM's plain loader makes of the tensors of
@@ -236,15 +238,15 @@ class VllmModelLoader:
     def _staged(self) -> RefitStaging:
         return self._staging_for(self._refit_plan(), None)
 
-    def _staging_for(self, plan: RefitPlan, names: frozenset[str] | None) -> RefitStaging:
-        """The staging of ``plan``'s tensors ``names`` (``None``: all), begun for this refit:
-        the one held (allocated at the first refit), or a new one for another plan or other
-        names."""
+    def _staging_for(self, plan: RefitPlan, copied: frozenset[str] | None) -> RefitStaging:
+        """The staging of ``plan`` that copies the tensors ``copied`` (``None``: all), begun for
+        this refit: the one held (allocated at the first refit), or a new one for another plan
+        or another way of loading it."""
         staging = self._staging
         if (staging is None or staging.fingerprint != plan.fingerprint
-                or staging.selection != names):
+                or staging.copied != copied):
             self._staging = None  # release the old staging's memory before allocating
-            self._staging = staging = RefitStaging(plan, self._device, names=names)
+            self._staging = staging = RefitStaging(plan, self._device, copied=copied)
             staging.begin()
         return staging
 
@@ -252,12 +254,15 @@ class VllmModelLoader:
         """Staged tensors to vLLM (on the pipeline's thread); the slot they came from is free
         once this returns: vLLM reads only the staging, which is not rewritten before the next
         refit's :meth:`begin`."""
-        if whole:
-            self._pipeline.submit(whole)
+        self._submit(whole)
         if self._staging.complete:
             # Every tensor arrived: finish now, so the engine computes with the new weights
             # (and a verification reads them) when the trainer's refit returns.
             self.end()
+
+    def _submit(self, whole: list[tuple[str, torch.Tensor]]) -> None:
+        if whole:
+            self._pipeline.submit(whole)
 
     def _finish(self, *, raise_failure: bool) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -59,6 +59,7 @@ from mcore_refit.refit import (  # noqa: E402
     ColocatedSender,
     NonColocatedInitInfo,
     NonColocatedSender,
+    RefitPlan,
     Refitter,
     plan_for_source,
 )
@@ -81,11 +82,14 @@ LAYOUTS = {
     "pp2_vpp2": ("llama", ParallelConfig(pipeline=2, virtual_pipeline=2)),
     "tp2": ("llama", ParallelConfig(tensor=2)),
     "moe_ep2": ("qwen3_moe", ParallelConfig(expert=2)),
+    # A slot for every buffer (see PLANS): vLLM reads whole tensors in the slots, uncopied.
+    "tp2_held": ("llama", ParallelConfig(tensor=2)),
 }
 OPTIONS = TransportOptions(checksums=True, timeout_s=120, start_timeout_s=240)
 # Small slots: many buffers, so shards and sources interleave and slots are reused within a
 # refit while vLLM's layers are incomplete.
 PLAN = PlanConfig(slot_bytes=65536, num_slots=2)
+PLANS = {"tp2_held": PlanConfig(slot_bytes=1 << 18, num_slots=64)}
 NUM_REFITS = 2
 
 
@@ -108,10 +112,11 @@ def main() -> None:
             checkpoint, parallel = LAYOUTS[name]
             path = written_checkpoint(workdir / checkpoint, CHECKPOINTS[checkpoint], rank=rank,
                                       job=job)
+            plan = PLANS.get(name, PLAN)
             if job is None:
-                results[name] = colocated(path, parallel, context=context, engine=engine)
+                results[name] = colocated(path, parallel, plan, context=context, engine=engine)
             elif job.is_trainer:
-                results[name] = trainer(path, parallel, job=job)
+                results[name] = trainer(path, parallel, plan, job=job)
             else:
                 results[name] = receiver(job, path)
     finally:
@@ -122,16 +127,26 @@ def main() -> None:
     distributed.shutdown()
 
 
+def planned(export: ModelExport, config: PlanConfig, *, device) -> RefitPlan:
+    """The refit plan of ``export``; a config with more slots than the default must give every
+    buffer its own slot (else the layout would not test what it is named for)."""
+    plan = plan_for_source(export, config=config, device=device)
+    if config.num_slots > PLAN.num_slots and not plan.slot_per_buffer:
+        raise AssertionError(f"{plan.num_buffers} buffers, {config.num_slots} slots: not one "
+                             "slot per buffer")
+    return plan
+
+
 # --- non-colocated ------------------------------------------------------------------------------
 
-def trainer(path: Path, parallel: ParallelConfig, *, job) -> dict:
+def trainer(path: Path, parallel: ParallelConfig, plan_config: PlanConfig, *, job) -> dict:
     """A trainer rank of the non-colocated job: refits, then Bridge's export for the check."""
     trainers = dist.new_group(backend="gloo")
     try:
         model = build(path, parallel, job.context.device)
         export = ModelExport(model, control=ControlGroup(trainers, timeout_s=120),
                              device=job.context.device)
-        plan = plan_for_source(export, config=PLAN, device=job.context.device)
+        plan = planned(export, plan_config, device=job.context.device)
         control = ControlGroup(job.refit_control, timeout_s=120)
         sender = NonColocatedSender(plan=plan, placement=job.placement, rank=job.context.rank,
                                  control=control,
@@ -177,14 +192,15 @@ def receiver(job, path: Path) -> dict:
 
 # --- colocated ----------------------------------------------------------------------------------
 
-def colocated(path: Path, parallel: ParallelConfig, *, context, engine: "Engine") -> dict:
+def colocated(path: Path, parallel: ParallelConfig, plan_config: PlanConfig, *, context,
+              engine: "Engine") -> dict:
     """Every rank trains and refits its own vLLM engine process over IPC."""
     trainers = dist.new_group(backend="gloo")
     try:
         model = build(path, parallel, context.device)
         control = ControlGroup(trainers, timeout_s=120)
         export = ModelExport(model, control=control, device=context.device)
-        plan = plan_for_source(export, config=PLAN, device=context.device)
+        plan = planned(export, plan_config, device=context.device)
         options = engine.options
         sender = ColocatedSender(plan=plan, device=context.device, options=options,
                            cpu_device_id=f"vllm{launch_id()}-rank{context.rank}",

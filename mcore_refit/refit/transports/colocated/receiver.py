@@ -280,7 +280,7 @@ class ColocatedReceiver(RefitReceiver):
             self._check_slot(index, state)
             state.first_buffer_at = state.first_buffer_at or time.perf_counter()
             started = time.perf_counter()
-            load_into(engine, self._slots.entries(index))
+            load_into(engine, self._slots.entries(index), held=plan.slot_per_buffer)
             # The trainer refills this slot as soon as it has the ACK: finish reading first.
             self._streams.synchronize(timeout_s=self._options.timeout_s,
                                       what=f"loading buffer {index}")

@@ -248,7 +248,7 @@ class NonColocatedReceiver(RefitReceiver):
               telemetry: RefitTelemetry) -> None:
         started = time.perf_counter()
         try:
-            load_into(engine, slots.entries(buffer_index))
+            load_into(engine, slots.entries(buffer_index), held=self._plan.slot_per_buffer)
         except Exception as error:
             raise failed(f"engine.load_weights on buffer {buffer_index}", error) from error
         finally:
