@@ -30,6 +30,13 @@ from mcore_refit.refit.transports.non_colocated.handover import HandoverTarget
 from mcore_refit.refit.transports.non_colocated.placement import Placement
 from mcore_refit.refit.transports.rounds import RefitRounds
 
+# Receives posted ahead of the buffer being loaded when the plan gives every buffer its own slot
+# (then free slots no longer bound them). All 16 of the 8B preset posted at once, each broadcast
+# on its slot's stream beside vLLM's loads, made its refit slower on 2 x H200 (145-154 ms against
+# 105-117 ms with two slots); two ahead, 105-131 ms (docs/benchmarks.md, "A slot for every
+# buffer").
+HELD_POSTED_AHEAD = 2
+
 
 class NonColocatedReceiver(RefitReceiver):
     """Engine end of the non-colocated transport (one per inference rank).
@@ -141,10 +148,13 @@ class NonColocatedReceiver(RefitReceiver):
         failure = None
         first = time.perf_counter()
 
+        # With a slot for every buffer, free slots no longer bound the receives posted ahead.
+        ahead = min(plan.num_slots, HELD_POSTED_AHEAD) if plan.slot_per_buffer else len(remote)
+
         def post_ahead() -> None:
             # Receives are posted in plan order into free slots only; none before the start.
             nonlocal next_post
-            while next_post < len(remote):
+            while next_post < len(remote) and len(posted) < ahead:
                 buffer = remote[next_post]
                 slot = self._pipe.slots.slot_index(buffer.index)
                 if slot in occupied:
