@@ -33,6 +33,10 @@ from tests.launch import REPO_ROOT, free_port, launch_env, launch_failure, run_t
 # (tests.preload: torch, the library, Megatron-Core and the bridges of the tests' models).
 _PRELOAD = ["tests.preload"]
 
+# How long the other ranks of a failed run_script launch get to end after SIGTERM before SIGKILL
+# (torchrun's agent waits 30 s).
+STOP_GRACE_S = 30
+
 # The default group's own timeout: far above the bounded waits under test, so those fire first.
 GROUP_TIMEOUT_S = 60
 
@@ -102,22 +106,28 @@ def run_ranks(scenario, world: int, tmp_path: Path, *args, timeout_s: float = 60
 
 
 def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
+               env: dict[str, str] | None = None, expect_failure: bool = False,
                cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
     """Run ``script`` as ``torchrun --nproc-per-node nproc`` would, each rank forked from the fork
     server instead of a fresh interpreter (start-up without the seconds of imports): torchrun's
     variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) with the key-value
     store on ``MASTER_PORT`` hosted here as torchrun's agent hosts it, ``sys.argv``, the
     script's folder first on ``sys.path``, ``cwd`` as the working directory, and the exit code
-    the script leaves with; as under torchrun, the first rank to fail stops the others. Raises
-    with every rank's output on a failure or after ``timeout_s``.
+    the script leaves with; as under torchrun, the first rank to fail stops the others (SIGTERM,
+    then SIGKILL after :data:`STOP_GRACE_S`). ``env``
+    is added to each rank's environment (its ``PYTHONPATH`` to ``sys.path`` too: the rank's
+    interpreter is already running). Raises with every rank's output on a failure (with
+    ``expect_failure``, when it succeeds instead) or after ``timeout_s``.
 
     For scenario scripts, and for recipes where what the test claims is not about the launcher
-    (a run's learning, parity, resume, a benchmark's figures): a test of torchrun's behaviour,
+    (a run's learning, parity, resume, a benchmark's figures, the error every rank of a failed
+    run reports): a test of torchrun's behaviour,
     of signals or of what the terminal shows launches with :func:`tests.launch.run_torchrun`.
     A rank's launcher is the fork server here, which outlives the run. With CUDA, where the fork
     server must not hold a CUDA context for its children, it is torchrun too."""
     if torch.cuda.is_available():
-        return run_torchrun(script, *args, nproc=nproc, timeout_s=timeout_s, cwd=cwd)
+        return run_torchrun(script, *args, nproc=nproc, timeout_s=timeout_s, env=env,
+                            expect_failure=expect_failure, cwd=cwd)
     context = process_context()
     port = free_port()
     command = [f"<fork server> {script}", *args, f"({nproc} ranks)"]
@@ -128,12 +138,12 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
     with tempfile.TemporaryDirectory(prefix="ranks") as logs:
         processes = []
         for rank in range(nproc):
-            env = {**launch_env(None), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            rank_env = {**launch_env(env), "RANK": str(rank), "LOCAL_RANK": str(rank),
                    "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "TORCHELASTIC_USE_AGENT_STORE": "True"}
             process = context.Process(target=_script_rank,
-                                      args=(str(script), args, env, str(cwd), logs))
+                                      args=(str(script), args, rank_env, str(cwd), logs))
             process.start()
             processes.append(process)
         deadline = time.monotonic() + timeout_s
@@ -143,7 +153,15 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
                          timeout=max(0.0, deadline - time.monotonic()))
             running = [p for p in running if p.sentinel not in ended]
             failed = any(p.exitcode for p in processes if p not in running)  # torchrun stops
-        timed_out = bool(running) and not failed  # the other ranks then, as here
+        timed_out = bool(running) and not failed
+        if failed:  # torchrun's agent then: SIGTERM to the others, SIGKILL after a grace period
+            for process in running:
+                process.terminate()
+            grace_end = min(deadline, time.monotonic() + STOP_GRACE_S)
+            while running and time.monotonic() < grace_end:
+                ended = wait([p.sentinel for p in running],
+                             timeout=max(0.0, grace_end - time.monotonic()))
+                running = [p for p in running if p.sentinel not in ended]
         for process in processes:
             if process.is_alive():
                 process.kill()
@@ -158,9 +176,9 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
     if timed_out:
         raise launch_failure(command, f"did not finish within {timeout_s}s (exit codes {codes})",
                              stdout, stderr)
-    if any(codes):
-        raise launch_failure(command, f"failed: exit codes {codes}", stdout, stderr)
-    return subprocess.CompletedProcess(command, 0, stdout, stderr)
+    if any(codes) != expect_failure:
+        raise launch_failure(command, f"exit codes {codes}", stdout, stderr)
+    return subprocess.CompletedProcess(command, next((c for c in codes if c), 0), stdout, stderr)
 
 
 def _script_rank(script: str, args: tuple, env: dict[str, str], cwd: str, logs: str) -> None:
@@ -176,7 +194,8 @@ def _script_rank(script: str, args: tuple, env: dict[str, str], cwd: str, logs: 
     # progress bars (the launch's resource tracker would report it leaked).
     lock_progress_bars_within_the_process()
     sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).parent))
+    sys.path[:0] = [str(Path(script).parent),
+                    *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from tests.dist.conftest import EXPORT_PARITY_X4, scenario_report
-from tests.launch import REPO_ROOT, last_json_line, run_torchrun
+from tests.launch import REPO_ROOT, last_json_line
+from tests.ranks import run_script
 
 RESHAPED = ("decoder.final_layernorm.weight: the parameter was replaced by one of shape (63,) "
             "and dtype torch.float32; the refit plan has (64,) and torch.float32: build a new "
@@ -106,9 +107,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_verifier_recipe_prints_json_and_exits_zero(tiny_checkpoint):
-    result = run_torchrun(REPO_ROOT / "recipes" / "verify_export.py", "--hf-path",
-                          str(tiny_checkpoint), "--pp", "2", "--vpp", "2", nproc=2,
-                          timeout_s=300)
+    result = run_script(REPO_ROOT / "recipes" / "verify_export.py", "--hf-path",
+                        str(tiny_checkpoint), "--pp", "2", "--vpp", "2", nproc=2, timeout_s=300)
     report = last_json_line(result.stdout)
     assert {key: report[key] for key in ("tensors", "mismatched", "missing", "unexpected", "tp",
                                          "pp", "vpp", "device")} == {
@@ -119,10 +119,10 @@ def test_verifier_recipe_prints_json_and_exits_zero(tiny_checkpoint):
 
 @pytest.mark.timeout(300)
 def test_verifier_recipe_rejects_bad_layout(tiny_checkpoint):
-    with pytest.raises(AssertionError) as failure:
-        run_torchrun(REPO_ROOT / "recipes" / "verify_export.py", "--hf-path",
-                     str(tiny_checkpoint), "--pp", "2", "--vpp", "3", nproc=2, timeout_s=300)
+    result = run_script(REPO_ROOT / "recipes" / "verify_export.py", "--hf-path",
+                        str(tiny_checkpoint), "--pp", "2", "--vpp", "3", nproc=2, timeout_s=300,
+                        expect_failure=True)
     assert re.search(
         r"ValueError: the model's 8 layers do not divide into parallel.pipeline × "
         r"parallel.virtual_pipeline = 2 × 3 = 6 stages; choose sizes whose product divides 8",
-        str(failure.value))
+        result.stderr), result.stderr[-5000:]

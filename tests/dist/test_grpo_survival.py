@@ -20,6 +20,7 @@ import torch
 from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
 from tests.dist.test_grpo_resume import rows, saved_tensors
 from tests.launch import REPO_ROOT, free_port, last_json_line, run_torchrun
+from tests.ranks import run_script
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 CONFIG = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
@@ -58,11 +59,12 @@ def recipe_args(checkpoint, out, *overrides):
             "grpo.prompts_per_step=8", "grpo.samples_per_prompt=4", *overrides]
 
 
-def launch(args, *, env=None, expect_failure=False):
-    """Run the recipe on 2 ranks; (result, seconds from the launch until torchrun returned)."""
+def launch(args, *, env=None, expect_failure=False, launcher=run_script):
+    """Run the recipe on 2 ranks, forked (tests.ranks: what every rank reports is the claim) or
+    with ``launcher=run_torchrun``; (result, seconds from the launch until all ranks ended)."""
     started = time.monotonic()
-    result = run_torchrun(RECIPE, *args, nproc=2, timeout_s=540, env=env,
-                          expect_failure=expect_failure)
+    result = launcher(RECIPE, *args, nproc=2, timeout_s=540, env=env,
+                      expect_failure=expect_failure)
     return result, time.monotonic() - started
 
 
@@ -84,8 +86,10 @@ def test_a_second_run_on_a_directory_is_refused_and_the_first_finishes_intact(ch
             assert time.monotonic() - started < 300, "the first run took no lock within 300 s"
             time.sleep(0.2)
         holder = json.loads(lock.read_text())["holder"]
+        # Under torchrun as the first: both start-ups cost the same, so the second's time says
+        # it was refused before its own.
         second, seconds = launch(recipe_args(checkpoint, out, "run.steps=10", "run.seed=99"),
-                                 expect_failure=True)
+                                 expect_failure=True, launcher=run_torchrun)
         print(f"second run on {out} refused after {seconds:.1f} s (torchrun start to exit)")
         assert (f"run.output_dir '{out}' is in use by another run (pid {holder['pid']} on host "
                 f"{socket.gethostname()}, since ") in second.stderr, second.stderr[-5000:]
@@ -127,7 +131,7 @@ def test_non_finite_rewards_a_crash_before_the_first_checkpoint_and_a_damaged_on
     # 1. An infinite reward in step 1: stopped before any checkpoint, on both ranks.
     failed, seconds = launch(recipe_args(checkpoint, out, "task.reward=bad_rewards:inf_always"),
                              env=env, expect_failure=True)
-    print(f"inf reward in step 1: torchrun returned {seconds:.1f} s after the launch")
+    print(f"inf reward in step 1: the launch ended {seconds:.1f} s after it began")
     # Each rank's traceback ends with the shared failure.
     assert failed.stderr.count("RankFailure: scoring step 1 failed on trainer rank 0: "
                                "NonFiniteError: step 1: the reward is inf for sample 0 of "
@@ -141,7 +145,7 @@ def test_non_finite_rewards_a_crash_before_the_first_checkpoint_and_a_damaged_on
     failed, seconds = launch(recipe_args(checkpoint, out,
                                          "task.reward=bad_rewards:nan_from_step_3"),
                              env=env, expect_failure=True)
-    print(f"NaN reward in step 3: torchrun returned {seconds:.1f} s after the launch")
+    print(f"NaN reward in step 3: the launch ended {seconds:.1f} s after it began")
     assert (f"a run that saved no checkpoint was here in run.output_dir '{out}'; starting at "
             "step 0 and replacing ") in failed.stderr
     assert failed.stderr.count("RankFailure: scoring step 3 failed on trainer rank 0: "
@@ -196,7 +200,7 @@ def test_a_full_disk_names_the_file_being_written(checkpoint, tmp_path):
         failed, seconds = launch(recipe_args(checkpoint, out, "run.checkpoint_every=1",
                                              "run.tensorboard=false"), expect_failure=True)
         named = [line for line in failed.stderr.splitlines() if "no space left" in line]
-        print(f"a full disk: torchrun returned {seconds:.1f} s after the launch; {named[:1]}")
+        print(f"a full disk: the launch ended {seconds:.1f} s after it began; {named[:1]}")
         assert f"no space left on device writing {out}" in failed.stderr, failed.stderr[-5000:]
         assert not (out / "trainer_state.json").exists() or json.loads(
             (out / "trainer_state.json").read_text())["step"] >= 1

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from mcore_refit.tiny import TinyModelSpec, write_tiny_checkpoint
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
+from tests.ranks import run_script
 
 RECIPE = REPO_ROOT / "recipes" / "grpo.py"
 COLOCATED = REPO_ROOT / "configs" / "grpo_tiny_cpu_colocated.yaml"
@@ -29,12 +30,12 @@ def test_a_reward_hanging_on_one_rank_is_named_and_fails_the_run(tmp_path):
                 time.sleep(3600)
             return 0.0
     """))
-    launch = run_torchrun(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
-                          f"run.output_dir={tmp_path / 'run'}", "run.steps=3", "eval=null",
-                          "run.eval_every=0", "task.reward=hanging_reward:score",
-                          f"run.callback_timeout_s={TIMEOUT_S}", nproc=2, timeout_s=540,
-                          env={"PYTHONPATH": str(REPO_ROOT)}, cwd=tmp_path,
-                          expect_failure=True)
+    # On forked ranks (tests.ranks): what each rank reports is the claim.
+    launch = run_script(RECIPE, "--config", str(COLOCATED), f"model.hf_path={checkpoint}",
+                        f"run.output_dir={tmp_path / 'run'}", "run.steps=3", "eval=null",
+                        "run.eval_every=0", "task.reward=hanging_reward:score",
+                        f"run.callback_timeout_s={TIMEOUT_S}", nproc=2, timeout_s=540,
+                        cwd=tmp_path, expect_failure=True)
     ended = time.time()
     seconds = ended - float(hung.read_text())
     print(f"a reward hanging on rank 1 (run.callback_timeout_s={TIMEOUT_S}): the launch ended "
