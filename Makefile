@@ -3,7 +3,8 @@
 #                   each with a colocated inference engine refit every step; writes
 #                   .demo/run/metrics.png. --standalone: a free port, so jobs on one host never
 #                   collide; OMP_NUM_THREADS=1 is torchrun's default, set so it prints no notice
-#   make test       the whole test suite, as CI runs it (GPU tests are skipped without GPUs)
+#   make test       the whole test suite, as CI runs it, on TEST_WORKERS pytest workers (GPU
+#                   tests are skipped without GPUs)
 #   make test-fast  the fast tier for everyday work: no process-launching (dist), GPU or slow tests
 #   make lint       ruff
 
@@ -12,6 +13,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := .demo
+# pytest-xdist workers of `make test`: the suite's launches leave about a third of 2 cores idle
+# when run one after another (waits for timeouts, single-process phases).
+TEST_WORKERS ?= 2
 
 .PHONY: venv test test-fast demo lint clean
 
@@ -28,7 +32,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-vllm.txt requiremen
 	@touch $@
 
 test: venv
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -q -m "not dist and not gpu and not slow"
