@@ -30,6 +30,7 @@ from mcore_refit.refit.engines import (
     NamedTensorEngine,
     TensorDictEngine,
     WeightLoader,
+    check_received,
 )
 from mcore_refit.refit.errors import RefitError, RefitTimeout
 from mcore_refit.refit.export import ModelExport
@@ -112,6 +113,7 @@ __all__ = [
     "WeightSource",
     "WeightTransferEndpoint",
     "build_plan",
+    "check_received",
     "create_receiver",
     "create_sender",
     "init_info_from_dict",

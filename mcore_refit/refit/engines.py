@@ -75,6 +75,15 @@ def load_into(engine: WeightLoader, entries: Sequence[tuple[TensorSpec, torch.Te
         load_pieces(pieces)
 
 
+def check_received(name: str, tensor: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+                   *, expected_by: str) -> None:
+    """Raise unless the whole tensor received as ``name`` has ``shape`` and ``dtype``, naming
+    them as what ``expected_by`` holds (e.g. "the Llama model holds")."""
+    if tensor.shape != tuple(shape) or tensor.dtype != dtype:
+        raise ValueError(f"weight {name!r}: received {tuple(tensor.shape)} {tensor.dtype}, "
+                         f"{expected_by} {tuple(shape)} {dtype}")
+
+
 class NamedTensorEngine:
     """Copies ``(name, tensor)`` pairs into the tensor of that name; checks shapes and dtypes.
 
@@ -95,11 +104,8 @@ class NamedTensorEngine:
         batches: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for name, tensor in weights:
             target = self._target(name)
-            if target.shape != tensor.shape or target.dtype != tensor.dtype:
-                raise ValueError(
-                    f"weight {name!r}: received {tuple(tensor.shape)} {tensor.dtype}, "
-                    f"{self._description} holds {tuple(target.shape)} {target.dtype}"
-                )
+            check_received(name, tensor, target.shape, target.dtype,
+                           expected_by=f"{self._description} holds")
             destinations, sources = batches.setdefault(target.dtype, ([], []))
             destinations.append(target)
             sources.append(tensor)
@@ -151,12 +157,8 @@ class TensorDictEngine(NamedTensorEngine):
     @classmethod
     def from_specs(cls, specs: Sequence[TensorSpec], *, device: torch.device) -> TensorDictEngine:
         """Zero tensors for ``specs`` (pieces stand for their whole tensor)."""
-        targets = {}
-        for spec in specs:
-            shape = list(spec.shape)
-            if spec.region is not None:
-                shape[spec.region.dim] = spec.region.full
-            targets[spec.name] = torch.zeros(shape, dtype=spec.dtype, device=device)
+        targets = {spec.name: torch.zeros(spec.whole_shape, dtype=spec.dtype, device=device)
+                   for spec in specs}
         return cls(targets, description=f"the tensor-dict engine on {device}")
 
 

@@ -44,6 +44,15 @@ class TensorSpec:
         return n
 
     @property
+    def whole_shape(self) -> tuple[int, ...]:
+        """The shape of the whole named tensor (a piece's region at its full size)."""
+        if self.region is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.region.dim] = self.region.full
+        return tuple(shape)
+
+    @property
     def num_bytes(self) -> int:
         return self.numel * self.dtype.itemsize
 

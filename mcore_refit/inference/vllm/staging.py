@@ -19,7 +19,14 @@ from collections.abc import Iterable
 
 import torch
 
-from mcore_refit.refit import NamedTensorEngine, RefitPlan, Region, packed_offsets, typed_view
+from mcore_refit.refit import (
+    NamedTensorEngine,
+    RefitPlan,
+    Region,
+    check_received,
+    packed_offsets,
+    typed_view,
+)
 
 # Offsets of tensors in the staging allocation (bytes): enough for any dtype and vector loads.
 _ALIGNMENT = 64
@@ -41,10 +48,7 @@ class RefitStaging:
                  copied: frozenset[str] | None = None) -> None:
         shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         for spec in plan.specs():
-            shape = list(spec.shape)
-            if spec.region is not None:
-                shape[spec.region.dim] = spec.region.full
-            shapes.setdefault(spec.name, (torch.Size(shape), spec.dtype))
+            shapes.setdefault(spec.name, (torch.Size(spec.whole_shape), spec.dtype))
         if copied is not None and not copied <= shapes.keys():
             unknown = sorted(copied - shapes.keys())
             raise ValueError(f"{len(unknown)} tensors to stage are not in the plan: "
@@ -117,9 +121,7 @@ class RefitStaging:
                 raise ValueError(f"unknown weight name {name!r}: the refit's plan has no "
                                  "tensor of that name")
             shape, dtype = self._shapes[name]
-            if tensor.shape != shape or tensor.dtype != dtype:
-                raise ValueError(f"weight {name!r}: received {tuple(tensor.shape)} "
-                                 f"{tensor.dtype}, the refit's plan has {tuple(shape)} {dtype}")
+            check_received(name, tensor, shape, dtype, expected_by="the refit's plan has")
         self._referred.update(weights)
         return self._arrived([(name, tensor.numel()) for name, tensor in weights])
 
