@@ -114,15 +114,15 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
     store on ``MASTER_PORT`` hosted here as torchrun's agent hosts it, ``sys.argv``, the
     script's folder first on ``sys.path``, ``cwd`` as the working directory, and the exit code
     the script leaves with; as under torchrun, the first rank to fail stops the others (SIGTERM,
-    then SIGKILL after :data:`STOP_GRACE_S`). ``env``
-    is added to each rank's environment (its ``PYTHONPATH`` to ``sys.path`` too: the rank's
-    interpreter is already running). Raises with every rank's output on a failure (with
-    ``expect_failure``, when it succeeds instead) or after ``timeout_s``.
+    then SIGKILL after :data:`STOP_GRACE_S`). ``env`` is added to each rank's environment (its
+    ``PYTHONPATH`` to ``sys.path`` too: the rank's interpreter is already running). Raises with
+    every rank's output on a failure (with ``expect_failure``, when it succeeds instead) or after
+    ``timeout_s``.
 
     For scenario scripts, and for recipes where what the test claims is not about the launcher
     (a run's learning, parity, resume, a benchmark's figures, the error every rank of a failed
-    run reports): a test of torchrun's behaviour,
-    of signals or of what the terminal shows launches with :func:`tests.launch.run_torchrun`.
+    run reports): a test of torchrun's behaviour, of signals or of what the terminal shows
+    launches with :func:`tests.launch.run_torchrun`.
     A rank's launcher is the fork server here, which outlives the run. With CUDA, where the fork
     server must not hold a CUDA context for its children, it is torchrun too."""
     if torch.cuda.is_available():
@@ -137,11 +137,11 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
                           timeout=datetime.timedelta(seconds=timeout_s))
     with tempfile.TemporaryDirectory(prefix="ranks") as logs:
         processes = []
+        launch = {**launch_env(env), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                  "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  "TORCHELASTIC_USE_AGENT_STORE": "True"}
         for rank in range(nproc):
-            rank_env = {**launch_env(env), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "TORCHELASTIC_USE_AGENT_STORE": "True"}
+            rank_env = {**launch, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             process = context.Process(target=_script_rank,
                                       args=(str(script), args, rank_env, str(cwd), logs))
             process.start()
@@ -149,9 +149,7 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
         deadline = time.monotonic() + timeout_s
         running, failed = list(processes), False
         while running and not failed and time.monotonic() < deadline:
-            ended = wait([p.sentinel for p in running],
-                         timeout=max(0.0, deadline - time.monotonic()))
-            running = [p for p in running if p.sentinel not in ended]
+            running = _still_running(running, until=deadline)
             failed = any(p.exitcode for p in processes if p not in running)  # torchrun stops
         timed_out = bool(running) and not failed
         if failed:  # torchrun's agent then: SIGTERM to the others, SIGKILL after a grace period
@@ -159,9 +157,7 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
                 process.terminate()
             grace_end = min(deadline, time.monotonic() + STOP_GRACE_S)
             while running and time.monotonic() < grace_end:
-                ended = wait([p.sentinel for p in running],
-                             timeout=max(0.0, grace_end - time.monotonic()))
-                running = [p for p in running if p.sentinel not in ended]
+                running = _still_running(running, until=grace_end)
         for process in processes:
             if process.is_alive():
                 process.kill()
@@ -179,6 +175,13 @@ def run_script(script: str | Path, *args: str, nproc: int, timeout_s: float,
     if any(codes) != expect_failure:
         raise launch_failure(command, f"exit codes {codes}", stdout, stderr)
     return subprocess.CompletedProcess(command, next((c for c in codes if c), 0), stdout, stderr)
+
+
+def _still_running(processes: list, *, until: float) -> list:
+    """``processes`` less those that ended, after waiting (at most until the monotonic time
+    ``until``) for at least one to end."""
+    ended = wait([p.sentinel for p in processes], timeout=max(0.0, until - time.monotonic()))
+    return [p for p in processes if p.sentinel not in ended]
 
 
 def _script_rank(script: str, args: tuple, env: dict[str, str], cwd: str, logs: str) -> None:
