@@ -1,18 +1,23 @@
 """Broadcasts over several two-rank links at once (``broadcast_to_each``, the direct fan-out's
 send) on CPU (gloo, 3 real processes): every receiver gets the bytes bitwise, and a receiver
 that never takes part is a RefitTimeout naming the transfer after one ``timeout_s`` for all the
-links together, not one per link.
+links together, not one per link; a process of the job that dies while the sender waits for a
+receiver that lives on is named within the peer watch's interval.
 """
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_refit.refit import RefitTimeout
+from mcore_refit.processes import PeerWatch, ProcessIdentity
+from mcore_refit.refit import RefitError, RefitTimeout
 from mcore_refit.refit.streams import DeviceStreams
 from mcore_refit.refit.transports.collectives import GroupCollectives, broadcast_to_each
 from tests.ranks import run_ranks
@@ -63,3 +68,38 @@ def test_broadcast_to_each_reaches_every_link_and_times_out_once_for_all(tmp_pat
         f"timed out after {TIMEOUT_S:g} s waiting for buffer 1 to ranks 1, 2"), sender
     # One deadline for both links: rank 1's late part does not extend the wait for rank 2.
     assert TIMEOUT_S - 0.1 <= sender["elapsed_s"] < TIMEOUT_S + LATE_S - 1.0, sender
+
+
+DIES_AFTER_S = 1.0
+INTERVAL_S = 0.25
+
+
+def peer_dies(rank: int) -> dict:
+    """Rank 0 broadcasts to rank 1, which stays away but alive; meanwhile a watched process of
+    the job (here a child of rank 0, "trainer rank 2") exits."""
+    if rank == 1:
+        time.sleep(DIES_AFTER_S + 10)
+        return {}
+    victim = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({DIES_AFTER_S})"])
+    watch = PeerWatch(peers=((2, "trainer rank 2", ProcessIdentity.of(victim.pid)),),
+                      interval_s=INTERVAL_S)
+    streams = DeviceStreams(CPU, peers=watch)
+    link = GroupCollectives(group=dist.group.WORLD, streams=streams)
+    started = time.monotonic()
+    try:
+        link.broadcast(torch.ones(10), src_rank=0, what="buffer 0 to rank 1", timeout_s=60.0)
+        return {"error": None}
+    except RefitError as error:
+        return {"error": str(error), "type": type(error).__name__,
+                "elapsed_s": time.monotonic() - started, "pid": victim.pid}
+    finally:
+        victim.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_broadcast_wait_names_a_dead_peer_within_the_interval(tmp_path):
+    sender = run_ranks(peer_dies, 2, tmp_path, timeout_s=100)[0]
+    assert sender["type"] == "RefitError", sender
+    assert sender["error"] == (f"trainer rank 2 (pid {sender['pid']} on {socket.gethostname()}) "
+                               "died while this rank waited for buffer 0 to rank 1"), sender
+    assert DIES_AFTER_S <= sender["elapsed_s"] < DIES_AFTER_S + INTERVAL_S + 2.0, sender

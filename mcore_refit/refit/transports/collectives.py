@@ -3,8 +3,10 @@ of a colocated refit with several trainer ranks.
 
 Everything here is collective: call on every rank of the group, in the same order.
 
-Timeouts: on CPU (gloo) every wait is ``Work.wait(timeout)``; on GPU (NCCL) the host polls a CUDA
-event recorded after the collective. An NCCL collective that never completes stays queued on
+Timeouts: on CPU (gloo) every wait is ``Work.wait(timeout)``, in slices of the streams' peer watch
+(``peers.interval_s``) that ask between them whether a peer process died; on GPU (NCCL) the host
+waits for a CUDA event recorded after the collective (:meth:`DeviceStreams.host_wait`, which
+asks the same). An NCCL collective that never completes stays queued on
 its stream after our timeout: the process group is then unusable and must be torn down, and the
 group's own timeout (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``), enforced by
 NCCL's watchdog, must be at least ``refit.start_timeout_s`` or it aborts first.
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.control import is_gloo_timeout
+from mcore_refit.processes import Terminated
 from mcore_refit.refit.errors import RefitError, RefitTimeout
 from mcore_refit.refit.streams import DeviceStreams
 
@@ -39,7 +42,8 @@ class PendingTransfer:
             streams.host_wait(self.done, timeout_s=timeout_s, what=self.what)
         deadline = time.monotonic() + timeout_s
         while self.works:
-            _wait_work(self.works[0], deadline=deadline, timeout_s=timeout_s, what=self.what)
+            _wait_work(self.works[0], deadline=deadline, timeout_s=timeout_s, what=self.what,
+                       peers=streams.peers)
             self.works.pop(0)
 
     def wait_stream(self, streams: DeviceStreams, *, timeout_s: float) -> None:
@@ -123,14 +127,32 @@ def _issue(starts, *, streams: DeviceStreams, what: str, stream: torch.cuda.Stre
     return PendingTransfer(works=[], done=done, what=what)
 
 
-def _wait_work(work: dist.Work, *, deadline: float, timeout_s: float, what: str) -> None:
-    """Wait for ``work`` until ``deadline`` (``time.monotonic()``), set ``timeout_s`` ago."""
+def _wait_work(work: dist.Work, *, deadline: float, timeout_s: float, what: str,
+               peers) -> None:
+    """Wait for ``work`` until ``deadline`` (``time.monotonic()``), set ``timeout_s`` ago.
+
+    With ``peers`` (a :class:`~mcore_refit.processes.PeerWatch`) the wait returns to Python every
+    ``peers.interval_s``: a peer that died is named at once, even when this rank's own partner
+    in the group lives on (and waits itself), and a stop signal that came meanwhile is raised
+    (its handler runs only between C calls).
+    """
     try:
-        work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-    except RuntimeError as error:
-        text = str(error)
-        if is_gloo_timeout(error):
-            raise RefitTimeout(
-                f"timed out after {timeout_s:g} s waiting for {what}: {text}") from None
-        raise RefitError(
-            f"{what} failed (a peer died or closed the group?): {text}") from None
+        while True:
+            left = deadline - time.monotonic()
+            step = left if peers is None else min(left, peers.interval_s)
+            try:
+                # At least 1 ms: a zero timeout means no timeout to gloo.
+                work.wait(timeout=datetime.timedelta(seconds=max(step, 1e-3)))
+                return
+            except RuntimeError as error:
+                if not is_gloo_timeout(error):
+                    raise RefitError(
+                        f"{what} failed (a peer died or closed the group?): {error}") from None
+            if time.monotonic() >= deadline:
+                raise RefitTimeout(f"timed out after {timeout_s:g} s waiting for {what}")
+            dead = peers.first_dead() if peers is not None else None
+            if dead is not None:
+                raise RefitError(f"{dead} while this rank waited for {what}")
+    except Terminated as stopped:
+        stopped.__context__ = None  # raised while a slice's timeout was handled: no failure
+        raise
