@@ -1,6 +1,6 @@
 """Compatibility layer for the pinned stack: the one place that patches third-party code.
 
-Three independent concerns live here:
+Four independent concerns live here:
 
 1. ``megatron.bridge`` without transformer-engine. ``megatron/bridge/peft/lora_layers.py`` (line 20)
    does ``import transformer_engine.pytorch as te`` at module level; TE is needed there only for
