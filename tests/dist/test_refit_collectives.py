@@ -80,12 +80,12 @@ def peer_dies(rank: int) -> dict:
     if rank == 1:
         time.sleep(DIES_AFTER_S + 10)
         return {}
+    started = time.monotonic()  # the victim cannot have died before this + DIES_AFTER_S
     victim = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({DIES_AFTER_S})"])
     watch = PeerWatch(peers=((2, "trainer rank 2", ProcessIdentity.of(victim.pid)),),
                       interval_s=INTERVAL_S)
     streams = DeviceStreams(CPU, peers=watch)
     link = GroupCollectives(group=dist.group.WORLD, streams=streams)
-    started = time.monotonic()
     try:
         link.broadcast(torch.ones(10), src_rank=0, what="buffer 0 to rank 1", timeout_s=60.0)
         return {"error": None}
