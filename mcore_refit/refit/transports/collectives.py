@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_refit.control import is_gloo_timeout
-from mcore_refit.processes import Terminated
+from mcore_refit.processes import PeerWatch, Terminated
 from mcore_refit.refit.errors import RefitError, RefitTimeout
 from mcore_refit.refit.streams import DeviceStreams
 
@@ -128,7 +128,7 @@ def _issue(starts, *, streams: DeviceStreams, what: str, stream: torch.cuda.Stre
 
 
 def _wait_work(work: dist.Work, *, deadline: float, timeout_s: float, what: str,
-               peers) -> None:
+               peers: PeerWatch | None) -> None:
     """Wait for ``work`` until ``deadline`` (``time.monotonic()``), set ``timeout_s`` ago.
 
     With ``peers`` (a :class:`~mcore_refit.processes.PeerWatch`) the wait returns to Python every
